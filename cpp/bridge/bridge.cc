@@ -1,0 +1,82 @@
+#include "bridge/bridge.h"
+
+#include "moe-routing/src/bridge.rs.h"
+#include "moe_routing/router.h"
+
+namespace moe_routing::bridge {
+namespace {
+
+RouterConfig to_config(const Config& c) {
+  RouterConfig r;
+  r.hidden_size = c.hidden_size;
+  r.n_routed_experts = c.n_routed_experts;
+  r.num_experts_per_tok = c.num_experts_per_tok;
+  r.n_group = c.n_group;
+  r.topk_group = c.topk_group;
+  r.routed_scaling_factor = c.routed_scaling_factor;
+  r.norm_topk_prob = c.norm_topk_prob;
+  return r;
+}
+
+template <class T>
+DeviceSpan<T> span(const Buffer& b) {
+  return {reinterpret_cast<T*>(static_cast<uintptr_t>(b.ptr)), b.len};
+}
+
+// No exception may cross into Rust.
+template <class F>
+int32_t guarded(F&& f) noexcept {
+  try {
+    return static_cast<int32_t>(f());
+  } catch (...) {
+    return static_cast<int32_t>(Status::kCudaError);
+  }
+}
+
+}  // namespace
+
+int32_t validate_config(const Config& cfg) {
+  return static_cast<int32_t>(moe_routing::validate_config(to_config(cfg)));
+}
+
+uint64_t backward_workspace_bytes(const Config& cfg, int64_t tokens) {
+  return moe_routing::backward_workspace_bytes(to_config(cfg), tokens);
+}
+
+int32_t router_forward(const Config& cfg, const ForwardBuffers& b, uint64_t stream) {
+  return guarded([&] {
+    ForwardArgs a;
+    a.tokens = b.tokens;
+    a.x = span<const uint16_t>(b.x);
+    a.w = span<const uint16_t>(b.w);
+    a.bias = span<const float>(b.bias);
+    a.topk_idx = span<int32_t>(b.topk_idx);
+    a.topk_weights = span<float>(b.topk_weights);
+    a.topk_scores = span<float>(b.topk_scores);
+    return moe_routing::router_forward(to_config(cfg), a,
+                                       reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+int32_t router_backward(const Config& cfg, const BackwardBuffers& b, uint64_t stream) {
+  return guarded([&] {
+    BackwardArgs a;
+    a.tokens = b.tokens;
+    a.x = span<const uint16_t>(b.x);
+    a.w = span<const uint16_t>(b.w);
+    a.topk_idx = span<const int32_t>(b.topk_idx);
+    a.topk_scores = span<const float>(b.topk_scores);
+    a.grad_topk_weights = span<const float>(b.grad_topk_weights);
+    a.grad_x = span<uint16_t>(b.grad_x);
+    a.grad_w = span<float>(b.grad_w);
+    a.accumulate_grad_w = b.accumulate_grad_w;
+    a.precision = static_cast<Precision>(b.precision);
+    a.workspace = span<uint8_t>(b.workspace);
+    return moe_routing::router_backward(to_config(cfg), a,
+                                        reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+int32_t device_count() { return moe_routing::device_count(); }
+
+}  // namespace moe_routing::bridge

@@ -1,0 +1,18 @@
+// The C++ side of the Rust bridge (src/bridge.rs): plain integers in, status codes out.
+#pragma once
+
+#include <cstdint>
+
+namespace moe_routing::bridge {
+
+struct Config;
+struct ForwardBuffers;
+struct BackwardBuffers;
+
+int32_t validate_config(const Config& cfg);
+uint64_t backward_workspace_bytes(const Config& cfg, int64_t tokens);
+int32_t router_forward(const Config& cfg, const ForwardBuffers& bufs, uint64_t stream);
+int32_t router_backward(const Config& cfg, const BackwardBuffers& bufs, uint64_t stream);
+int32_t device_count();
+
+}  // namespace moe_routing::bridge

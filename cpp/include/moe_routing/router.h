@@ -1,0 +1,100 @@
+// moe-routing: grouped top-k MoE router (DeepSeek-V3 / GLM-4.5 "noaux_tc") for Hopper (sm_90a).
+//
+// Public C++ API. All pointers are device pointers on the stream's device; all tensors are
+// dense row-major. Every entry point validates its arguments before launching anything and
+// touches no output when it returns an error.
+//
+//   x            [T, H]  bf16   activations
+//   w            [E, H]  bf16   router weight
+//   bias         [E]     f32    expert score correction bias (gets no gradient)
+//   topk_idx     [T, K]  i32    chosen experts, best first
+//   topk_weights [T, K]  f32    routing weights (normalized, scaled)
+//   topk_scores  [T, K]  f32    sigmoid scores at the chosen experts (saved for the backward)
+//   grad_topk_weights [T, K] f32, grad_x [T, H] bf16, grad_w [E, H] f32
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace moe_routing {
+
+enum class Status : int32_t {
+  kSuccess = 0,
+  kInvalidConfig = 1,      // config fields inconsistent (groups, top-k, sizes)
+  kInvalidShape = 2,       // token count negative or too large, shapes disagree
+  kNullPointer = 3,        // a required pointer is null
+  kMisaligned = 4,         // a pointer is not aligned as required
+  kBufferTooSmall = 5,     // a buffer holds fewer elements than the shape needs
+  kForeignPointer = 6,     // a pointer is not device memory of the stream's device
+  kCudaError = 7,          // the CUDA runtime reported an error
+  kUnsupported = 8,        // valid, but outside what this build supports
+};
+
+const char* status_string(Status status);
+
+struct RouterConfig {
+  int64_t hidden_size = 5120;         // H, a multiple of 8
+  int64_t n_routed_experts = 160;     // E
+  int64_t num_experts_per_tok = 8;    // K
+  int64_t n_group = 1;                // groups of E / n_group experts
+  int64_t topk_group = 1;             // groups kept per token
+  float routed_scaling_factor = 1.0f;
+  bool norm_topk_prob = true;
+};
+
+// Limits of this build.
+constexpr int64_t kMaxExperts = 512;
+constexpr int64_t kMaxTopK = 16;
+constexpr int64_t kMaxHidden = 65536;
+
+// A device buffer and its capacity in elements.
+template <class T>
+struct DeviceSpan {
+  T* data = nullptr;
+  int64_t len = 0;
+};
+
+struct ForwardArgs {
+  int64_t tokens = 0;
+  DeviceSpan<const uint16_t> x;  // bf16 bits
+  DeviceSpan<const uint16_t> w;  // bf16 bits
+  DeviceSpan<const float> bias;
+  DeviceSpan<int32_t> topk_idx;
+  DeviceSpan<float> topk_weights;
+  DeviceSpan<float> topk_scores;
+};
+
+enum class Precision : int32_t {
+  kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation
+  kPrecise = 1,  // fp32-accurate grad_x and grad_w
+};
+
+struct BackwardArgs {
+  int64_t tokens = 0;
+  DeviceSpan<const uint16_t> x;
+  DeviceSpan<const uint16_t> w;
+  DeviceSpan<const int32_t> topk_idx;
+  DeviceSpan<const float> topk_scores;
+  DeviceSpan<const float> grad_topk_weights;
+  DeviceSpan<uint16_t> grad_x;  // bf16 bits
+  DeviceSpan<float> grad_w;
+  bool accumulate_grad_w = false;  // grad_w += result (main-grad pattern) instead of =
+  Precision precision = Precision::kDefault;
+  DeviceSpan<uint8_t> workspace;  // backward_workspace_bytes() bytes, 256-byte aligned
+};
+
+// Checks the config alone.
+Status validate_config(const RouterConfig& cfg);
+
+// Bytes of device workspace the backward needs for `tokens` tokens.
+size_t backward_workspace_bytes(const RouterConfig& cfg, int64_t tokens);
+
+Status router_forward(const RouterConfig& cfg, const ForwardArgs& args, cudaStream_t stream);
+Status router_backward(const RouterConfig& cfg, const BackwardArgs& args, cudaStream_t stream);
+
+// Number of CUDA devices visible (0 where there is no driver or no device).
+int device_count();
+
+}  // namespace moe_routing

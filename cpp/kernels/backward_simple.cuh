@@ -1,0 +1,136 @@
+// Backward, simple version (the reference GPU path): a dense routing gradient G [T, E] in
+// fp32 workspace, grad_x = G·w as a sparse sum over the K chosen rows of w, and
+// grad_w = Gᵀ·x as a tiled fp32 GEMM on the CUDA cores. Deterministic; every sum in fp32.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/routing.cuh"
+
+namespace moe_routing::kernels {
+
+struct BackwardParams {
+  const __nv_bfloat16* x;          // [T, H]
+  const __nv_bfloat16* w;          // [E, H]
+  const int32_t* topk_idx;         // [T, K]
+  const float* topk_scores;        // [T, K]
+  const float* grad_topk_weights;  // [T, K]
+  __nv_bfloat16* grad_x;           // [T, H]
+  float* grad_w;                   // [E, H]
+  float* dense_grad;               // [T, E] workspace (G)
+  int64_t tokens;
+  int hidden, experts, top_k;
+  float scale;
+  bool norm, accumulate;
+};
+
+// One warp per token: grad_logit at the K chosen experts, scattered into a zeroed G row.
+// Indices outside [0, E) contribute nothing.
+__global__ void routing_grad_dense(BackwardParams p) {
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= p.tokens) return;
+  const bool active = lane < p.top_k;
+  const int64_t o = t * p.top_k + lane;
+  float s = active ? p.topk_scores[o] : 0.0f;
+  float g = active ? p.grad_topk_weights[o] : 0.0f;
+  int e = active ? p.topk_idx[o] : -1;
+  float gl = routing_grad_lane(s, g, active, p.scale, p.norm);
+  float* row = p.dense_grad + t * p.experts;
+  for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
+  __syncwarp();
+  // Serial over k so that repeated indices add in a fixed order.
+  for (int k = 0; k < p.top_k; ++k) {
+    int ek = __shfl_sync(0xFFFFFFFFu, e, k);
+    float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
+    if (lane == 0 && ek >= 0 && ek < p.experts) row[ek] += gk;
+    __syncwarp();
+  }
+}
+
+// grad_x[t, :] = Σ_k grad_logit[t, k] · w[topk_idx[t, k], :]; one block per token,
+// 8 columns per thread.
+constexpr int kGradXThreads = 128;
+__global__ void __launch_bounds__(kGradXThreads) grad_x_sparse(BackwardParams p) {
+  __shared__ float gl_s[32];
+  __shared__ int idx_s[32];
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const bool active = lane < p.top_k;
+    const int64_t o = t * p.top_k + lane;
+    float s = active ? p.topk_scores[o] : 0.0f;
+    float g = active ? p.grad_topk_weights[o] : 0.0f;
+    int e = active ? p.topk_idx[o] : -1;
+    float gl = routing_grad_lane(s, g, active, p.scale, p.norm);
+    gl_s[lane] = (e >= 0 && e < p.experts) ? gl : 0.0f;
+    idx_s[lane] = (e >= 0 && e < p.experts) ? e : 0;
+  }
+  __syncthreads();
+  const int chunks = p.hidden / 8;
+  for (int c = threadIdx.x; c < chunks; c += kGradXThreads) {
+    float acc[8] = {};
+    for (int k = 0; k < p.top_k; ++k) {
+      uint4 wv = __ldg(reinterpret_cast<const uint4*>(p.w + int64_t(idx_s[k]) * p.hidden) + c);
+      const __nv_bfloat162* wa = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      float g = gl_s[k];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float2 wf = __bfloat1622float2(wa[i]);
+        acc[2 * i] = fmaf(g, wf.x, acc[2 * i]);
+        acc[2 * i + 1] = fmaf(g, wf.y, acc[2 * i + 1]);
+      }
+    }
+    uint4 out;
+    __nv_bfloat162* oa = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) oa[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    reinterpret_cast<uint4*>(p.grad_x + t * p.hidden)[c] = out;
+  }
+}
+
+// grad_w[e, h] (+)= Σ_t G[t, e] · x[t, h]: 64×64 output tile per block, 256 threads each
+// owning a 4×4 patch, tokens in chunks of 16 through shared memory.
+constexpr int kWgTile = 64, kWgChunk = 16, kWgThreads = 256;
+__global__ void __launch_bounds__(kWgThreads) grad_w_tiled(BackwardParams p) {
+  __shared__ float g_s[kWgChunk][kWgTile];
+  __shared__ float x_s[kWgChunk][kWgTile];
+  const int e0 = blockIdx.y * kWgTile, h0 = blockIdx.x * kWgTile;
+  const int te = threadIdx.x / 16, th = threadIdx.x % 16;
+  float acc[4][4] = {};
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += kWgChunk) {
+    for (int i = threadIdx.x; i < kWgChunk * kWgTile; i += kWgThreads) {
+      int r = i / kWgTile, c = i % kWgTile;
+      int64_t t = t0 + r;
+      bool tv = t < p.tokens;
+      g_s[r][c] = (tv && e0 + c < p.experts) ? p.dense_grad[t * p.experts + e0 + c] : 0.0f;
+      x_s[r][c] = (tv && h0 + c < p.hidden) ? __bfloat162float(p.x[t * p.hidden + h0 + c]) : 0.0f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kWgChunk; ++r) {
+      float a[4], b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = g_s[r][te * 4 + i], b[i] = x_s[r][th * 4 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    int e = e0 + te * 4 + i;
+    if (e >= p.experts) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      int h = h0 + th * 4 + j;
+      if (h >= p.hidden) continue;
+      float* dst = p.grad_w + int64_t(e) * p.hidden + h;
+      *dst = p.accumulate ? *dst + acc[i][j] : acc[i][j];
+    }
+  }
+}
+
+}  // namespace moe_routing::kernels

@@ -1,0 +1,55 @@
+// Host launcher of the backward.
+#include "kernels/backward_simple.cuh"
+#include "launch.h"
+#include "validate.h"
+
+namespace moe_routing {
+
+size_t backward_workspace_bytes(const RouterConfig& cfg, int64_t tokens) {
+  if (tokens <= 0 || validate_config(cfg) != Status::kSuccess) return 0;
+  const size_t dense = size_t(tokens) * size_t(cfg.n_routed_experts) * sizeof(float);
+  return (dense + 255) / 256 * 256;
+}
+
+Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream) {
+  int device = 0;
+  if (Status s = detail::stream_device(stream, &device); s != Status::kSuccess) return s;
+  if (Status s = detail::validate_backward(cfg, a, device); s != Status::kSuccess) return s;
+  detail::DeviceGuard guard(device);
+  const int64_t E = cfg.n_routed_experts, H = cfg.hidden_size;
+  if (a.tokens == 0) {
+    if (a.accumulate_grad_w) return Status::kSuccess;
+    return detail::cuda_status(
+        cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * sizeof(float), stream));
+  }
+
+  kernels::BackwardParams p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
+  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
+  p.topk_idx = a.topk_idx.data;
+  p.topk_scores = a.topk_scores.data;
+  p.grad_topk_weights = a.grad_topk_weights.data;
+  p.grad_x = reinterpret_cast<__nv_bfloat16*>(a.grad_x.data);
+  p.grad_w = a.grad_w.data;
+  p.dense_grad = reinterpret_cast<float*>(a.workspace.data);
+  p.tokens = a.tokens;
+  p.hidden = int(H);
+  p.experts = int(E);
+  p.top_k = int(cfg.num_experts_per_tok);
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  p.accumulate = a.accumulate_grad_w;
+
+  constexpr int kWarps = 8;
+  kernels::routing_grad_dense<<<unsigned(detail::ceil_div(a.tokens, kWarps)), kWarps * 32, 0,
+                                stream>>>(p);
+  if (Status s = detail::last_launch_status(); s != Status::kSuccess) return s;
+  kernels::grad_x_sparse<<<unsigned(a.tokens), kernels::kGradXThreads, 0, stream>>>(p);
+  if (Status s = detail::last_launch_status(); s != Status::kSuccess) return s;
+  dim3 grid(unsigned(detail::ceil_div(H, kernels::kWgTile)),
+            unsigned(detail::ceil_div(E, kernels::kWgTile)));
+  kernels::grad_w_tiled<<<grid, kernels::kWgThreads, 0, stream>>>(p);
+  return detail::last_launch_status();
+}
+
+}  // namespace moe_routing

@@ -1,0 +1,35 @@
+// Host launcher of the forward.
+#include "kernels/forward_simple.cuh"
+#include "launch.h"
+#include "validate.h"
+
+namespace moe_routing {
+
+Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_t stream) {
+  int device = 0;
+  if (Status s = detail::stream_device(stream, &device); s != Status::kSuccess) return s;
+  if (Status s = detail::validate_forward(cfg, a, device); s != Status::kSuccess) return s;
+  if (a.tokens == 0) return Status::kSuccess;
+  detail::DeviceGuard guard(device);
+
+  kernels::ForwardParams p{};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
+  p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
+  p.bias = a.bias.data;
+  p.topk_idx = a.topk_idx.data;
+  p.topk_weights = a.topk_weights.data;
+  p.topk_scores = a.topk_scores.data;
+  p.tokens = a.tokens;
+  p.hidden = int(cfg.hidden_size);
+  p.experts = int(cfg.n_routed_experts);
+  p.top_k = int(cfg.num_experts_per_tok);
+  p.n_group = int(cfg.n_group);
+  p.topk_group = int(cfg.topk_group);
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  const size_t smem = kernels::forward_simple_smem_bytes(p.experts, p.n_group);
+  kernels::router_forward_simple<<<unsigned(a.tokens), kernels::kForwardThreads, smem, stream>>>(p);
+  return detail::last_launch_status();
+}
+
+}  // namespace moe_routing

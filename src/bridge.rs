@@ -1,0 +1,56 @@
+//! The cxx bridge to the C++ API (`cpp/include/moe_routing/router.h`). Device buffers cross as
+//! (address, length in elements); the functions that launch work are `unsafe`: the caller
+//! guarantees the addresses are live device allocations of at least that length.
+
+#[cxx::bridge(namespace = "moe_routing::bridge")]
+pub(crate) mod ffi {
+    #[derive(Clone, Copy, Debug)]
+    struct Config {
+        hidden_size: i64,
+        n_routed_experts: i64,
+        num_experts_per_tok: i64,
+        n_group: i64,
+        topk_group: i64,
+        routed_scaling_factor: f32,
+        norm_topk_prob: bool,
+    }
+
+    struct Buffer {
+        ptr: u64,
+        len: i64,
+    }
+
+    struct ForwardBuffers {
+        tokens: i64,
+        x: Buffer,
+        w: Buffer,
+        bias: Buffer,
+        topk_idx: Buffer,
+        topk_weights: Buffer,
+        topk_scores: Buffer,
+    }
+
+    struct BackwardBuffers {
+        tokens: i64,
+        x: Buffer,
+        w: Buffer,
+        topk_idx: Buffer,
+        topk_scores: Buffer,
+        grad_topk_weights: Buffer,
+        grad_x: Buffer,
+        grad_w: Buffer,
+        accumulate_grad_w: bool,
+        precision: i32,
+        workspace: Buffer,
+    }
+
+    unsafe extern "C++" {
+        include!("bridge/bridge.h");
+
+        fn validate_config(cfg: &Config) -> i32;
+        fn backward_workspace_bytes(cfg: &Config, tokens: i64) -> u64;
+        unsafe fn router_forward(cfg: &Config, bufs: &ForwardBuffers, stream: u64) -> i32;
+        unsafe fn router_backward(cfg: &Config, bufs: &BackwardBuffers, stream: u64) -> i32;
+        fn device_count() -> i32;
+    }
+}

@@ -1,0 +1,238 @@
+//! The GPU router over cudarc device buffers and a stream.
+//!
+//! Shapes are checked here before anything crosses the bridge; the C++ layer checks them
+//! again (alignment, device ownership) before launching, and on any error touches no output.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use crate::bridge::ffi;
+use crate::config::RouterConfig;
+use crate::error::{Error, Status};
+
+/// Number of CUDA devices this process can use (0 without a driver or a device).
+pub fn cuda_device_count() -> usize {
+    usize::try_from(ffi::device_count()).unwrap_or(0)
+}
+
+/// Precision of the backward's two GEMMs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// The routing gradient enters the tensor cores as bf16; fp32 accumulation.
+    #[default]
+    Default,
+    /// fp32-accurate grad_x and grad_w.
+    Precise,
+}
+
+/// How the backward writes its results.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackwardOptions {
+    /// Add into the existing fp32 grad_w (main-grad pattern) instead of overwriting it.
+    pub accumulate_grad_w: bool,
+    pub precision: Precision,
+}
+
+/// What the forward returns and the backward consumes, each [tokens, K].
+pub struct Routing {
+    pub topk_idx: CudaSlice<i32>,
+    pub topk_weights: CudaSlice<f32>,
+    /// Sigmoid scores at the chosen experts, saved for the backward.
+    pub topk_scores: CudaSlice<f32>,
+}
+
+impl Routing {
+    /// Allocates outputs for `tokens` tokens of `cfg`.
+    pub fn alloc(
+        stream: &Arc<CudaStream>,
+        cfg: &RouterConfig,
+        tokens: usize,
+    ) -> Result<Self, Error> {
+        let n = tokens
+            .checked_mul(cfg.num_experts_per_tok)
+            .ok_or_else(|| Error::invalid_shape("tokens * K overflows"))?;
+        // SAFETY: every element is written by the forward before it is read.
+        unsafe {
+            Ok(Self {
+                topk_idx: stream.alloc::<i32>(n.max(1))?,
+                topk_weights: stream.alloc::<f32>(n.max(1))?,
+                topk_scores: stream.alloc::<f32>(n.max(1))?,
+            })
+        }
+    }
+}
+
+/// A validated router configuration; the entry point of the GPU API.
+#[derive(Clone, Debug)]
+pub struct Router {
+    cfg: RouterConfig,
+    ffi_cfg: ffi::Config,
+}
+
+fn len_i64(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// Keeps the cudarc guards of every buffer alive until the launch has been enqueued.
+struct Guards<'a>(Vec<cudarc::driver::SyncOnDrop<'a>>);
+
+impl<'a> Guards<'a> {
+    fn read<T>(&mut self, s: &'a impl DevicePtr<T>, stream: &'a CudaStream) -> ffi::Buffer {
+        let (ptr, guard) = s.device_ptr(stream);
+        self.0.push(guard);
+        ffi::Buffer {
+            ptr,
+            len: len_i64(s.len()),
+        }
+    }
+    fn write<T>(&mut self, s: &'a mut impl DevicePtrMut<T>, stream: &'a CudaStream) -> ffi::Buffer {
+        let len = len_i64(s.len());
+        let (ptr, guard) = s.device_ptr_mut(stream);
+        self.0.push(guard);
+        ffi::Buffer { ptr, len }
+    }
+}
+
+fn need(have: usize, want: usize, what: &str) -> Result<(), Error> {
+    if have < want {
+        return Err(Error::new(
+            Status::BufferTooSmall,
+            format!("{what}: {have} elements, the shape needs {want}"),
+        ));
+    }
+    Ok(())
+}
+
+impl Router {
+    pub fn new(cfg: RouterConfig) -> Result<Self, Error> {
+        cfg.validate()?;
+        Ok(Self {
+            ffi_cfg: cfg.to_ffi()?,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.cfg
+    }
+
+    fn sizes(&self, tokens: usize) -> Result<(usize, usize, usize), Error> {
+        let c = &self.cfg;
+        let th = tokens
+            .checked_mul(c.hidden_size)
+            .ok_or_else(|| Error::invalid_shape(format!("tokens {tokens} * hidden overflows")))?;
+        if tokens > i32::MAX as usize {
+            return Err(Error::invalid_shape(format!("tokens {tokens} > 2^31 - 1")));
+        }
+        Ok((
+            th,
+            c.n_routed_experts * c.hidden_size,
+            tokens * c.num_experts_per_tok,
+        ))
+    }
+
+    /// Bytes of workspace [`Router::backward`] needs for `tokens` tokens.
+    pub fn backward_workspace_bytes(&self, tokens: usize) -> usize {
+        ffi::backward_workspace_bytes(&self.ffi_cfg, len_i64(tokens)) as usize
+    }
+
+    /// Allocates a workspace for the backward of `tokens` tokens.
+    pub fn alloc_workspace(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+    ) -> Result<CudaSlice<u8>, Error> {
+        Ok(stream.alloc_zeros::<u8>(self.backward_workspace_bytes(tokens).max(256))?)
+    }
+
+    /// Routes `tokens` tokens: x [tokens, H], w [E, H], bias [E] into `out`.
+    pub fn forward(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        bias: &impl DevicePtr<f32>,
+        out: &mut Routing,
+    ) -> Result<(), Error> {
+        let (th, eh, tk) = self.sizes(tokens)?;
+        need(x.len(), th, "x")?;
+        need(w.len(), eh, "w")?;
+        need(bias.len(), self.cfg.n_routed_experts, "bias")?;
+        need(out.topk_idx.len(), tk, "topk_idx")?;
+        need(out.topk_weights.len(), tk, "topk_weights")?;
+        need(out.topk_scores.len(), tk, "topk_scores")?;
+        stream.context().bind_to_thread()?;
+        let mut g = Guards(Vec::with_capacity(6));
+        let bufs = ffi::ForwardBuffers {
+            tokens: len_i64(tokens),
+            x: g.read(x, stream),
+            w: g.read(w, stream),
+            bias: g.read(bias, stream),
+            topk_idx: g.write(&mut out.topk_idx, stream),
+            topk_weights: g.write(&mut out.topk_weights, stream),
+            topk_scores: g.write(&mut out.topk_scores, stream),
+        };
+        // SAFETY: every buffer is a live allocation of the stated length, kept alive (and
+        // ordered on `stream`) by the guards until after the launch is enqueued.
+        let code = unsafe { ffi::router_forward(&self.ffi_cfg, &bufs, stream.cu_stream() as u64) };
+        drop(g);
+        Status::from_code(code).into_result(|| format!("forward of {tokens} tokens"))
+    }
+
+    /// Gradients of the routing weights: grad_x [tokens, H] (bf16) and grad_w [E, H] (fp32,
+    /// written or accumulated), from the forward's saved `routing` and grad_topk_weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        topk_idx: &impl DevicePtr<i32>,
+        topk_scores: &impl DevicePtr<f32>,
+        grad_topk_weights: &impl DevicePtr<f32>,
+        grad_x: &mut impl DevicePtrMut<bf16>,
+        grad_w: &mut impl DevicePtrMut<f32>,
+        options: BackwardOptions,
+        workspace: &mut impl DevicePtrMut<u8>,
+    ) -> Result<(), Error> {
+        let (th, eh, tk) = self.sizes(tokens)?;
+        need(x.len(), th, "x")?;
+        need(w.len(), eh, "w")?;
+        need(topk_idx.len(), tk, "topk_idx")?;
+        need(topk_scores.len(), tk, "topk_scores")?;
+        need(grad_topk_weights.len(), tk, "grad_topk_weights")?;
+        need(grad_x.len(), th, "grad_x")?;
+        need(grad_w.len(), eh, "grad_w")?;
+        need(
+            workspace.len(),
+            self.backward_workspace_bytes(tokens),
+            "workspace",
+        )?;
+        stream.context().bind_to_thread()?;
+        let mut g = Guards(Vec::with_capacity(9));
+        let bufs = ffi::BackwardBuffers {
+            tokens: len_i64(tokens),
+            x: g.read(x, stream),
+            w: g.read(w, stream),
+            topk_idx: g.read(topk_idx, stream),
+            topk_scores: g.read(topk_scores, stream),
+            grad_topk_weights: g.read(grad_topk_weights, stream),
+            grad_x: g.write(grad_x, stream),
+            grad_w: g.write(grad_w, stream),
+            accumulate_grad_w: options.accumulate_grad_w,
+            precision: match options.precision {
+                Precision::Default => 0,
+                Precision::Precise => 1,
+            },
+            workspace: g.write(workspace, stream),
+        };
+        // SAFETY: as in `forward`.
+        let code = unsafe { ffi::router_backward(&self.ffi_cfg, &bufs, stream.cu_stream() as u64) };
+        drop(g);
+        Status::from_code(code).into_result(|| format!("backward of {tokens} tokens"))
+    }
+}

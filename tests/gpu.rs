@@ -1,0 +1,625 @@
+//! GPU tests: the CUDA kernels against the f64 CPU reference, on every suite case and on
+//! small shapes, plus validation, determinism and the zero-token case.
+//!
+//! Own harness: with no CUDA device every test reports "skipped" (never "passed").
+//! `gpu [FILTER]` runs the tests whose name contains FILTER.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use half::bf16;
+use moe_routing::reference;
+use moe_routing::suite::{self, Case};
+use moe_routing::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
+use moe_routing::{
+    cuda_device_count, BackwardOptions, Precision, Router, RouterConfig, Routing, Status,
+};
+
+const GRAD_X_TOL: f64 = 1e-2;
+const GRAD_W_TOL: f64 = 5e-3;
+
+type Test = (&'static str, fn(&Arc<CudaStream>));
+
+fn main() {
+    let tests: &[Test] = &[
+        ("forward_small_shapes", forward_small_shapes),
+        ("backward_small_shapes", backward_small_shapes),
+        ("backward_is_deterministic", backward_is_deterministic),
+        ("zero_tokens", zero_tokens),
+        (
+            "invalid_arguments_touch_nothing",
+            invalid_arguments_touch_nothing,
+        ),
+        ("suite_forward", suite_forward),
+        ("suite_backward", suite_backward),
+    ];
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let selected: Vec<&Test> = tests
+        .iter()
+        .filter(|(n, _)| filter.as_deref().is_none_or(|f| n.contains(f)))
+        .collect();
+    if cuda_device_count() == 0 {
+        for (name, _) in &selected {
+            println!("test {name} ... skipped (no CUDA device)");
+        }
+        println!("gpu: 0 passed, 0 failed, {} skipped", selected.len());
+        return;
+    }
+    let ctx = CudaContext::new(0).expect("CUDA context");
+    let stream = ctx.default_stream();
+    let (mut passed, mut failed) = (0, 0);
+    for (name, test) in &selected {
+        let t0 = std::time::Instant::now();
+        let ok = catch_unwind(AssertUnwindSafe(|| test(&stream))).is_ok();
+        let secs = t0.elapsed().as_secs_f64();
+        println!(
+            "test {name} ... {} ({secs:.1} s)",
+            if ok { "ok" } else { "FAILED" }
+        );
+        if ok {
+            passed += 1
+        } else {
+            failed += 1
+        }
+    }
+    println!("gpu: {passed} passed, {failed} failed, 0 skipped");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+fn upload<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
+    s.clone_htod(v).unwrap()
+}
+
+fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    s: &Arc<CudaStream>,
+    d: &CudaSlice<T>,
+) -> Vec<T> {
+    s.clone_dtoh(d).unwrap()
+}
+
+/// Device buffer filled with NaN (all bits set) so that unwritten outputs show.
+fn poisoned<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
+    // SAFETY: filled right below, before any read.
+    let mut d = unsafe { s.alloc::<T>(n).unwrap() };
+    let bytes = n * std::mem::size_of::<T>();
+    let (ptr, _guard) = d.device_ptr_mut(s);
+    // SAFETY: `ptr` addresses `bytes` bytes of the live allocation `d`.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, s.cu_stream()).unwrap() };
+    drop(_guard);
+    d
+}
+
+struct Forward {
+    idx: Vec<i32>,
+    weights: Vec<f32>,
+    scores: Vec<f32>,
+    dev: Routing,
+}
+
+fn gpu_forward(s: &Arc<CudaStream>, router: &Router, tokens: usize, inp: &Inputs) -> Forward {
+    let cfg = router.config();
+    let (x, w, bias) = (upload(s, &inp.x), upload(s, &inp.w), upload(s, &inp.bias));
+    let n = (tokens * cfg.num_experts_per_tok).max(1);
+    let mut out = Routing {
+        topk_idx: poisoned(s, n),
+        topk_weights: poisoned(s, n),
+        topk_scores: poisoned(s, n),
+    };
+    router.forward(s, tokens, &x, &w, &bias, &mut out).unwrap();
+    s.synchronize().unwrap();
+    Forward {
+        idx: download(s, &out.topk_idx),
+        weights: download(s, &out.topk_weights),
+        scores: download(s, &out.topk_scores),
+        dev: out,
+    }
+}
+
+/// Compares a GPU forward with the reference; returns the number of near-tie rows that
+/// differ. Rows that are not near ties must match exactly in indices.
+fn check_forward(
+    cfg: &RouterConfig,
+    tokens: usize,
+    inp: &Inputs,
+    got: &Forward,
+    label: &str,
+) -> (usize, f64) {
+    let want = reference::forward(cfg, tokens, &inp.x, &inp.w, &inp.bias);
+    let k = cfg.num_experts_per_tok;
+    let mut tie_rows = 0;
+    for t in 0..tokens {
+        let (g, r) = (
+            &got.idx[t * k..(t + 1) * k],
+            &want.topk_idx[t * k..(t + 1) * k],
+        );
+        if g != r {
+            assert!(
+                want.near_tie[t],
+                "{label}: token {t}: indices {g:?}, reference {r:?}"
+            );
+            tie_rows += 1;
+        }
+    }
+    // Weights and scores on rows whose indices agree.
+    let rows: Vec<usize> = (0..tokens)
+        .filter(|&t| got.idx[t * k..(t + 1) * k] == want.topk_idx[t * k..(t + 1) * k])
+        .collect();
+    let pick = |v: &[f32]| -> Vec<f64> {
+        rows.iter()
+            .flat_map(|&t| v[t * k..(t + 1) * k].iter().map(|&a| a as f64))
+            .collect()
+    };
+    let ew = reference::rel_err(&pick(&got.weights), &pick(&want.topk_weights));
+    let es = reference::rel_err(&pick(&got.scores), &pick(&want.topk_scores));
+    assert!(
+        ew < 1e-5 && es < 1e-5,
+        "{label}: weights err {ew:e}, scores err {es:e}"
+    );
+    (tie_rows, ew.max(es))
+}
+
+struct Grads {
+    grad_x: Vec<f64>,
+    grad_w: Vec<f64>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gpu_backward(
+    s: &Arc<CudaStream>,
+    router: &Router,
+    tokens: usize,
+    inp: &Inputs,
+    idx: &CudaSlice<i32>,
+    scores: &CudaSlice<f32>,
+    grad_out: &[f32],
+    options: BackwardOptions,
+    grad_w_init: Option<&[f32]>,
+) -> Grads {
+    let cfg = router.config();
+    let (x, w) = (upload(s, &inp.x), upload(s, &inp.w));
+    let g = upload(s, grad_out);
+    let mut grad_x: CudaSlice<bf16> = poisoned(s, (tokens * cfg.hidden_size).max(1));
+    let eh = cfg.n_routed_experts * cfg.hidden_size;
+    let mut grad_w: CudaSlice<f32> = match grad_w_init {
+        Some(v) => upload(s, v),
+        None => poisoned(s, eh),
+    };
+    let mut ws = router.alloc_workspace(s, tokens).unwrap();
+    router
+        .backward(
+            s,
+            tokens,
+            &x,
+            &w,
+            idx,
+            scores,
+            &g,
+            &mut grad_x,
+            &mut grad_w,
+            options,
+            &mut ws,
+        )
+        .unwrap();
+    s.synchronize().unwrap();
+    let gx = download(s, &grad_x);
+    Grads {
+        grad_x: bf16_to_f64(&gx[..tokens * cfg.hidden_size]),
+        grad_w: to_f64(&download(s, &grad_w)),
+    }
+}
+
+/// Runs forward then backward on the GPU and checks both against the reference; returns
+/// (near-tie rows, grad_x error, grad_w error) of the last backward variant.
+fn check_case(
+    s: &Arc<CudaStream>,
+    cfg: &RouterConfig,
+    tokens: usize,
+    seed: u64,
+    label: &str,
+) -> (usize, f64, f64, f64) {
+    let mut rng = Rng::new(seed);
+    let router = Router::new(*cfg).unwrap();
+    let inp = Inputs::random(cfg, tokens, &mut rng);
+    let fwd = gpu_forward(s, &router, tokens, &inp);
+    let (ties, fwd_err) = check_forward(cfg, tokens, &inp, &fwd, label);
+    let k = cfg.num_experts_per_tok;
+    let grad_out = random_grad(tokens * k, &mut rng);
+    let want = reference::backward(
+        cfg,
+        tokens,
+        &inp.x,
+        &inp.w,
+        &fwd.idx[..tokens * k],
+        &fwd.scores[..tokens * k],
+        &grad_out,
+    );
+    let mut worst = (0.0f64, 0.0f64);
+    for precision in [Precision::Default, Precision::Precise] {
+        for accumulate in [false, true] {
+            let eh = cfg.n_routed_experts * cfg.hidden_size;
+            let init: Vec<f32> = (0..eh).map(|_| rng.uniform()).collect();
+            let opts = BackwardOptions {
+                accumulate_grad_w: accumulate,
+                precision,
+            };
+            let got = gpu_backward(
+                s,
+                &router,
+                tokens,
+                &inp,
+                &fwd.dev.topk_idx,
+                &fwd.dev.topk_scores,
+                &grad_out,
+                opts,
+                accumulate.then_some(&init[..]),
+            );
+            let want_w: Vec<f64> = if accumulate {
+                want.grad_w
+                    .iter()
+                    .zip(&init)
+                    .map(|(a, &b)| a + b as f64)
+                    .collect()
+            } else {
+                want.grad_w.clone()
+            };
+            let ex = reference::rel_err(&got.grad_x, &want.grad_x);
+            let ew = reference::rel_err(&got.grad_w, &want_w);
+            assert!(
+                ex <= GRAD_X_TOL,
+                "{label} {opts:?}: grad_x err {ex:e} (seed {seed})"
+            );
+            assert!(
+                ew <= GRAD_W_TOL,
+                "{label} {opts:?}: grad_w err {ew:e} (seed {seed})"
+            );
+            worst = (worst.0.max(ex), worst.1.max(ew));
+        }
+    }
+    (ties, fwd_err, worst.0, worst.1)
+}
+
+fn small_configs() -> Vec<(RouterConfig, usize)> {
+    let base = RouterConfig {
+        hidden_size: 256,
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        n_group: 8,
+        topk_group: 3,
+        routed_scaling_factor: 1.5,
+        norm_topk_prob: true,
+    };
+    vec![
+        (base, 1),
+        (base, 7),
+        (
+            RouterConfig {
+                norm_topk_prob: false,
+                ..base
+            },
+            129,
+        ),
+        (
+            RouterConfig {
+                n_group: 1,
+                topk_group: 1,
+                num_experts_per_tok: 16,
+                ..base
+            },
+            127,
+        ),
+        (
+            RouterConfig {
+                hidden_size: 2048,
+                n_routed_experts: 256,
+                num_experts_per_tok: 8,
+                n_group: 8,
+                topk_group: 4,
+                routed_scaling_factor: 2.5,
+                norm_topk_prob: true,
+            },
+            300,
+        ),
+        (
+            RouterConfig {
+                hidden_size: 72,
+                n_routed_experts: 512,
+                num_experts_per_tok: 16,
+                n_group: 16,
+                topk_group: 16,
+                ..base
+            },
+            33,
+        ),
+    ]
+}
+
+fn forward_small_shapes(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in small_configs().into_iter().enumerate() {
+        let seed = fresh_seed() ^ i as u64;
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        check_forward(
+            &cfg,
+            tokens,
+            &inp,
+            &fwd,
+            &format!("{cfg:?} T={tokens} seed {seed}"),
+        );
+    }
+}
+
+fn backward_small_shapes(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in small_configs().into_iter().enumerate() {
+        let seed = fresh_seed() ^ (i as u64) << 8;
+        check_case(s, &cfg, tokens, seed, &format!("{cfg:?} T={tokens}"));
+    }
+}
+
+fn backward_is_deterministic(s: &Arc<CudaStream>) {
+    let cfg = RouterConfig::glm45(8, 4);
+    let tokens = 3001;
+    let mut rng = Rng::new(fresh_seed());
+    let router = Router::new(cfg).unwrap();
+    let inp = Inputs::random(&cfg, tokens, &mut rng);
+    let fwd = gpu_forward(s, &router, tokens, &inp);
+    let grad_out = random_grad(tokens * 8, &mut rng);
+    for precision in [Precision::Default, Precision::Precise] {
+        let opts = BackwardOptions {
+            accumulate_grad_w: false,
+            precision,
+        };
+        let a = gpu_backward(
+            s,
+            &router,
+            tokens,
+            &inp,
+            &fwd.dev.topk_idx,
+            &fwd.dev.topk_scores,
+            &grad_out,
+            opts,
+            None,
+        );
+        let b = gpu_backward(
+            s,
+            &router,
+            tokens,
+            &inp,
+            &fwd.dev.topk_idx,
+            &fwd.dev.topk_scores,
+            &grad_out,
+            opts,
+            None,
+        );
+        let bits = |v: &[f64]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+        assert!(
+            bits(&a.grad_x) == bits(&b.grad_x),
+            "grad_x differs between runs ({precision:?})"
+        );
+        assert!(
+            bits(&a.grad_w) == bits(&b.grad_w),
+            "grad_w differs between runs ({precision:?})"
+        );
+    }
+}
+
+fn zero_tokens(s: &Arc<CudaStream>) {
+    let cfg = RouterConfig::glm45(8, 4);
+    let router = Router::new(cfg).unwrap();
+    let inp = Inputs::random(&cfg, 0, &mut Rng::new(1));
+    let fwd = gpu_forward(s, &router, 0, &inp);
+    // Written as zeros.
+    let g = gpu_backward(
+        s,
+        &router,
+        0,
+        &inp,
+        &fwd.dev.topk_idx,
+        &fwd.dev.topk_scores,
+        &[0.5],
+        BackwardOptions::default(),
+        None,
+    );
+    assert!(
+        g.grad_w.iter().all(|&v| v == 0.0),
+        "grad_w not zeroed for T=0"
+    );
+    // Left as is when accumulating.
+    let init: Vec<f32> = (0..cfg.n_routed_experts * cfg.hidden_size)
+        .map(|i| i as f32)
+        .collect();
+    let opts = BackwardOptions {
+        accumulate_grad_w: true,
+        ..Default::default()
+    };
+    let g = gpu_backward(
+        s,
+        &router,
+        0,
+        &inp,
+        &fwd.dev.topk_idx,
+        &fwd.dev.topk_scores,
+        &[0.5],
+        opts,
+        Some(&init),
+    );
+    assert!(
+        g.grad_w.iter().zip(&init).all(|(&a, &b)| a == b as f64),
+        "grad_w changed for T=0"
+    );
+}
+
+fn invalid_arguments_touch_nothing(s: &Arc<CudaStream>) {
+    let cfg = RouterConfig::glm45(8, 4);
+    let router = Router::new(cfg).unwrap();
+    let tokens = 64;
+    let inp = Inputs::random(&cfg, tokens, &mut Rng::new(fresh_seed()));
+    let (x, w, bias) = (upload(s, &inp.x), upload(s, &inp.w), upload(s, &inp.bias));
+    let fresh_out = |n: usize| Routing {
+        topk_idx: poisoned(s, n),
+        topk_weights: poisoned(s, n),
+        topk_scores: poisoned(s, n),
+    };
+    let untouched = |out: &Routing| {
+        s.synchronize().unwrap();
+        assert!(
+            download(s, &out.topk_idx).iter().all(|&v| v == -1),
+            "topk_idx written on error"
+        );
+    };
+    let expect = |r: Result<(), moe_routing::Error>, kind: Status| {
+        let e = r.expect_err("invalid call succeeded");
+        assert_eq!(e.kind, kind, "{e}");
+    };
+
+    // Shapes that disagree: x too short for the token count.
+    let mut out = fresh_out(tokens * 8);
+    expect(
+        router.forward(s, tokens + 1, &x, &w, &bias, &mut out),
+        Status::BufferTooSmall,
+    );
+    untouched(&out);
+    // Output too small.
+    let mut small = fresh_out(tokens * 8 - 1);
+    expect(
+        router.forward(s, tokens, &x, &w, &bias, &mut small),
+        Status::BufferTooSmall,
+    );
+    untouched(&small);
+    // Misaligned x: a view starting one element in.
+    let x_off = x.slice(1..);
+    expect(
+        router.forward(s, tokens - 1, &x_off, &w, &bias, &mut out),
+        Status::Misaligned,
+    );
+    untouched(&out);
+    // Too many tokens for the grid.
+    expect(
+        router.forward(s, 1 << 31, &x, &w, &bias, &mut out),
+        Status::InvalidShape,
+    );
+
+    // Config errors.
+    let bad = [
+        RouterConfig { n_group: 7, ..cfg },
+        RouterConfig {
+            topk_group: 9,
+            ..cfg
+        },
+        RouterConfig {
+            num_experts_per_tok: 41,
+            topk_group: 2,
+            ..cfg
+        },
+        RouterConfig {
+            hidden_size: 5121,
+            ..cfg
+        },
+        RouterConfig {
+            n_routed_experts: 1024,
+            ..cfg
+        },
+        RouterConfig {
+            num_experts_per_tok: 17,
+            ..cfg
+        },
+        RouterConfig {
+            routed_scaling_factor: f32::NAN,
+            ..cfg
+        },
+    ];
+    for b in bad {
+        assert_eq!(
+            Router::new(b).unwrap_err().kind,
+            Status::InvalidConfig,
+            "{b:?}"
+        );
+    }
+
+    // Backward: workspace too small, grad_w misaligned; grads untouched.
+    let fwd = gpu_forward(s, &router, tokens, &inp);
+    let g = upload(s, &random_grad(tokens * 8, &mut Rng::new(3)));
+    let mut gx: CudaSlice<bf16> = poisoned(s, tokens * cfg.hidden_size);
+    let mut gw: CudaSlice<f32> = poisoned(s, cfg.n_routed_experts * cfg.hidden_size + 1);
+    let mut ws_small = s.alloc_zeros::<u8>(16).unwrap();
+    let opts = BackwardOptions::default();
+    let r = router.backward(
+        s,
+        tokens,
+        &x,
+        &w,
+        &fwd.dev.topk_idx,
+        &fwd.dev.topk_scores,
+        &g,
+        &mut gx,
+        &mut gw,
+        opts,
+        &mut ws_small,
+    );
+    expect(r, Status::BufferTooSmall);
+    let mut ws = router.alloc_workspace(s, tokens).unwrap();
+    let mut gw_off = gw.slice_mut(1..);
+    let r = router.backward(
+        s,
+        tokens,
+        &x,
+        &w,
+        &fwd.dev.topk_idx,
+        &fwd.dev.topk_scores,
+        &g,
+        &mut gx,
+        &mut gw_off,
+        opts,
+        &mut ws,
+    );
+    expect(r, Status::Misaligned);
+    s.synchronize().unwrap();
+    let gxh = download(s, &gx);
+    assert!(
+        gxh.iter().all(|v| v.to_bits() == 0xFFFF),
+        "grad_x written on error"
+    );
+    let gwh = download(s, &gw);
+    assert!(
+        gwh.iter().all(|v| v.to_bits() == 0xFFFF_FFFF),
+        "grad_w written on error"
+    );
+}
+
+fn suite_cases() -> Vec<Case> {
+    let path = suite::default_path();
+    suite::load(&path).unwrap_or_else(|e| panic!("suite: {e}"))
+}
+
+fn suite_forward(s: &Arc<CudaStream>) {
+    for case in suite_cases() {
+        let seed = fresh_seed();
+        let router = Router::new(case.config).unwrap();
+        let inp = Inputs::random(&case.config, case.tokens, &mut Rng::new(seed));
+        let fwd = gpu_forward(s, &router, case.tokens, &inp);
+        let (ties, err) = check_forward(
+            &case.config,
+            case.tokens,
+            &inp,
+            &fwd,
+            &format!("{} seed {seed}", case.name),
+        );
+        println!("  forward  {:<14} near-tie rows differing: {ties:>3}   weights/scores rel err {err:.2e}", case.name);
+    }
+}
+
+fn suite_backward(s: &Arc<CudaStream>) {
+    for case in suite_cases() {
+        let seed = fresh_seed();
+        let (_, _, ex, ew) = check_case(s, &case.config, case.tokens, seed, &case.name);
+        println!(
+            "  backward {:<14} max rel err grad_x {ex:.2e}  grad_w {ew:.2e}  (4 variants)",
+            case.name
+        );
+    }
+}
