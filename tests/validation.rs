@@ -1,0 +1,123 @@
+//! Validation that needs no GPU: configs are checked before anything launches.
+
+use moe_routing::{Router, RouterConfig, Status};
+
+fn glm() -> RouterConfig {
+    RouterConfig::glm45(8, 4)
+}
+
+#[test]
+fn suite_configs_are_valid() {
+    for (g, tg) in [(1, 1), (4, 2), (8, 4), (8, 3), (16, 8)] {
+        Router::new(RouterConfig::glm45(g, tg)).expect("valid config rejected");
+    }
+}
+
+#[test]
+fn bad_configs_are_rejected_with_a_typed_error() {
+    let cfg = glm();
+    let cases = [
+        (
+            "n_group does not divide E",
+            RouterConfig { n_group: 7, ..cfg },
+        ),
+        (
+            "topk_group > n_group",
+            RouterConfig {
+                topk_group: 9,
+                ..cfg
+            },
+        ),
+        (
+            "topk_group = 0",
+            RouterConfig {
+                topk_group: 0,
+                ..cfg
+            },
+        ),
+        (
+            "K > candidates after groups",
+            RouterConfig {
+                num_experts_per_tok: 41,
+                topk_group: 2,
+                ..cfg
+            },
+        ),
+        (
+            "H not a multiple of 8",
+            RouterConfig {
+                hidden_size: 5124,
+                ..cfg
+            },
+        ),
+        (
+            "H = 0",
+            RouterConfig {
+                hidden_size: 0,
+                ..cfg
+            },
+        ),
+        (
+            "E above the limit",
+            RouterConfig {
+                n_routed_experts: 1024,
+                n_group: 1,
+                topk_group: 1,
+                ..cfg
+            },
+        ),
+        (
+            "K above the limit",
+            RouterConfig {
+                num_experts_per_tok: 17,
+                ..cfg
+            },
+        ),
+        (
+            "K = 0",
+            RouterConfig {
+                num_experts_per_tok: 0,
+                ..cfg
+            },
+        ),
+        (
+            "groups of one expert",
+            RouterConfig {
+                n_routed_experts: 8,
+                n_group: 8,
+                topk_group: 8,
+                ..cfg
+            },
+        ),
+        (
+            "scale not finite",
+            RouterConfig {
+                routed_scaling_factor: f32::INFINITY,
+                ..cfg
+            },
+        ),
+        ("n_group = 0", RouterConfig { n_group: 0, ..cfg }),
+    ];
+    for (what, bad) in cases {
+        let err = Router::new(bad).expect_err(what);
+        assert_eq!(err.kind, Status::InvalidConfig, "{what}: {err}");
+        assert!(!err.to_string().is_empty());
+    }
+}
+
+#[test]
+fn huge_fields_do_not_overflow() {
+    let bad = RouterConfig {
+        hidden_size: usize::MAX,
+        ..glm()
+    };
+    assert_eq!(Router::new(bad).unwrap_err().kind, Status::InvalidConfig);
+}
+
+#[test]
+fn workspace_size_grows_with_tokens_and_is_zero_for_none() {
+    let r = Router::new(glm()).unwrap();
+    assert_eq!(r.backward_workspace_bytes(0), 0);
+    assert!(r.backward_workspace_bytes(4096) >= r.backward_workspace_bytes(128));
+    assert_eq!(r.backward_workspace_bytes(4096) % 256, 0);
+}
