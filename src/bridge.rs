@@ -52,5 +52,14 @@ pub(crate) mod ffi {
         unsafe fn router_forward(cfg: &Config, bufs: &ForwardBuffers, stream: u64) -> i32;
         unsafe fn router_backward(cfg: &Config, bufs: &BackwardBuffers, stream: u64) -> i32;
         fn device_count() -> i32;
+        unsafe fn baseline_routing_grad_dense(
+            cfg: &Config,
+            tokens: i64,
+            topk_idx: u64,
+            topk_scores: u64,
+            grad_topk_weights: u64,
+            dense: u64,
+            stream: u64,
+        ) -> i32;
     }
 }

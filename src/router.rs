@@ -236,3 +236,45 @@ impl Router {
         Status::from_code(code).into_result(|| format!("backward of {tokens} tokens"))
     }
 }
+
+impl Router {
+    /// The unfused baseline's elementwise step (for benchmarks): the dense routing gradient
+    /// G [tokens, E] in bf16, zero outside the chosen experts.
+    pub fn baseline_routing_grad_dense(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        topk_idx: &impl DevicePtr<i32>,
+        topk_scores: &impl DevicePtr<f32>,
+        grad_topk_weights: &impl DevicePtr<f32>,
+        dense: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<(), Error> {
+        let (_, _, tk) = self.sizes(tokens)?;
+        need(topk_idx.len(), tk, "topk_idx")?;
+        need(topk_scores.len(), tk, "topk_scores")?;
+        need(grad_topk_weights.len(), tk, "grad_topk_weights")?;
+        need(dense.len(), tokens * self.cfg.n_routed_experts, "dense")?;
+        stream.context().bind_to_thread()?;
+        let mut g = Guards(Vec::with_capacity(4));
+        let (i, s, gw, d) = (
+            g.read(topk_idx, stream).ptr,
+            g.read(topk_scores, stream).ptr,
+            g.read(grad_topk_weights, stream).ptr,
+            g.write(dense, stream).ptr,
+        );
+        // SAFETY: lengths checked above; guards keep the buffers alive across the launch.
+        let code = unsafe {
+            ffi::baseline_routing_grad_dense(
+                &self.ffi_cfg,
+                len_i64(tokens),
+                i,
+                s,
+                gw,
+                d,
+                stream.cu_stream() as u64,
+            )
+        };
+        drop(g);
+        Status::from_code(code).into_result(|| "baseline routing grad".into())
+    }
+}

@@ -1,6 +1,7 @@
 #include "bridge/bridge.h"
 
 #include "moe-routing/src/bridge.rs.h"
+#include "moe_routing/baseline.h"
 #include "moe_routing/router.h"
 
 namespace moe_routing::bridge {
@@ -78,5 +79,17 @@ int32_t router_backward(const Config& cfg, const BackwardBuffers& b, uint64_t st
 }
 
 int32_t device_count() { return moe_routing::device_count(); }
+
+int32_t baseline_routing_grad_dense(const Config& cfg, int64_t tokens, uint64_t topk_idx,
+                                    uint64_t topk_scores, uint64_t grad_topk_weights,
+                                    uint64_t dense, uint64_t stream) {
+  return guarded([&] {
+    return moe_routing::baseline::routing_grad_dense_bf16(
+        to_config(cfg), tokens, reinterpret_cast<const int32_t*>(topk_idx),
+        reinterpret_cast<const float*>(topk_scores),
+        reinterpret_cast<const float*>(grad_topk_weights), reinterpret_cast<uint16_t*>(dense),
+        reinterpret_cast<cudaStream_t>(stream));
+  });
+}
 
 }  // namespace moe_routing::bridge
