@@ -1,1 +1,693 @@
-fn main() {}
+//! Backward benchmark: the fused `Router::backward` against the unfused baseline (elementwise
+//! dense routing gradient + two cuBLAS GEMMs) on every case of the suite, with speed of light.
+//!
+//!     cargo bench --bench backward [-- [--filter NAME] [--json PATH]]
+//!     bench-backward --bench [--json PATH] [--filter NAME] [--precise]
+//!
+//! Per case: fused backward (`Precision::Default`), fused backward (`Precision::Precise`) and
+//! the unfused baseline, timed as `../shared/bench/README.md` asks: CUDA events around many
+//! back-to-back calls, median of several rounds, after warm-up, rotating among enough input
+//! sets (>= 2x the 50 MB L2) that no call finds the previous call's data in cache.
+//!
+//! Results go to stdout (a table) and to JSON: `--json PATH`, else `$MOE_ROUTING_BENCH_JSON`,
+//! else `target/bench-backward.json`. The suite is read from `$MOE_ROUTING_SUITE` or
+//! `../shared/bench/suite.json`. Without a CUDA device the benchmark is skipped (exit 0).
+
+use std::ffi::c_void;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::os::raw::c_int;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+use moe_routing::suite::{self, Case};
+use moe_routing::testing::{bf16_to_f64, random_grad, to_f64, Inputs, Rng};
+use moe_routing::{cuda_device_count, BackwardOptions, Precision, Router, Routing};
+
+type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
+
+/// Timed rounds per measurement; the median is reported.
+const ROUNDS: usize = 7;
+/// Shortest round: long enough that event resolution (~0.5 µs) and launch jitter vanish.
+const MIN_ROUND_US: f64 = 2000.0;
+/// Upper bound on launches per round (guards against a bogus calibration).
+const MAX_LAUNCHES: usize = 100_000;
+/// Bytes the rotated input sets must exceed in all: twice the H200's 50 MB L2.
+const MIN_ROTATED_BYTES: f64 = 2.0 * 50.0 * 1024.0 * 1024.0;
+/// At least two sets even when one exceeds the L2 many times, so that consecutive calls never
+/// share buffers (w and grad_w alone would otherwise stay cached); at most 64.
+const MIN_SETS: usize = 2;
+const MAX_SETS: usize = 64;
+/// The baseline must match the fused backward this closely (‖a − b‖ / ‖b‖), which it can only
+/// do if the GEMMs' transposes and leading dimensions are right.
+const GRAD_X_TOL: f64 = 2e-2;
+const GRAD_W_TOL: f64 = 1e-2;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("bench-backward: {e}");
+        std::process::exit(1);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Command line
+
+struct Args {
+    json: PathBuf,
+    filter: Option<String>,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut json = None;
+    let mut filter = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--json" => json = Some(PathBuf::from(value("--json")?)),
+            "--filter" => filter = Some(value("--filter")?),
+            "-h" | "--help" => {
+                println!(
+                    "usage: bench-backward [--json PATH] [--filter NAME] [--precise]\n\
+                     The Precision::Precise column is always timed; --precise is accepted for \
+                     compatibility. Other flags (such as cargo's --bench) are ignored."
+                );
+                std::process::exit(0);
+            }
+            // `cargo bench -- NAME` passes the filter as a bare argument.
+            _ if !flag.starts_with('-') => filter = Some(arg),
+            // --precise (the default) and cargo's own flags such as --bench.
+            _ => {}
+        }
+    }
+    let json = json
+        .or_else(|| std::env::var_os("MOE_ROUTING_BENCH_JSON").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("target/bench-backward.json"));
+    Ok(Args { json, filter })
+}
+
+// ---------------------------------------------------------------------------------------
+// Driver
+
+fn run() -> Result<()> {
+    let args = parse_args()?;
+    if cuda_device_count() == 0 {
+        println!("no CUDA device: benchmark skipped");
+        return Ok(());
+    }
+    let cases: Vec<Case> = suite::load(&suite::default_path())?
+        .into_iter()
+        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .collect();
+    if cases.is_empty() {
+        println!("no suite case matches the filter: nothing to time");
+    }
+
+    let ctx = CudaContext::new(0)?;
+    let stream = ctx.default_stream();
+    let device = ctx.name()?;
+    println!("device: {device}");
+    let blas = load_cublas(&stream);
+
+    print_header();
+    let mut results = Vec::with_capacity(cases.len());
+    for (i, case) in cases.iter().enumerate() {
+        let r = bench_case(&stream, blas.as_ref(), case, 0x5EED_0000 + i as u64)?;
+        print_row(case, &r);
+        results.push(r);
+    }
+    let summary = Summary::of(&cases, &results);
+    summary.print(&device);
+    let json = to_json(&device, &cases, &results, &summary);
+    if let Some(dir) = args.json.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.json, json)
+        .map_err(|e| format!("writing {}: {e}", args.json.display()))?;
+    println!("results written to {}", args.json.display());
+    Ok(())
+}
+
+/// Creates the cuBLAS handle, or `None` (with a message) when libcublas cannot be loaded:
+/// cudarc loads it at first use and panics if it is not found, so the panic is caught here
+/// and the fused kernel is still timed.
+fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
+    // Silence the default hook for this one call; the message is reported below instead.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let created = catch_unwind(AssertUnwindSafe(|| CudaBlas::new(stream.clone())));
+    std::panic::set_hook(hook);
+    let why = match created {
+        Ok(Ok(blas)) => return Some(blas),
+        Ok(Err(e)) => format!("creating the cuBLAS handle failed: {e}"),
+        Err(panic) => panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "cuBLAS could not be loaded".into()),
+    };
+    println!(
+        "warning: unfused baseline skipped: {why}\n\
+         warning: libcublas was not found; put the directory that holds libcublas.so.13 \
+         (e.g. a Python package's site-packages/nvidia/cu13/lib or nvidia/cublas/lib) on \
+         LD_LIBRARY_PATH. The fused kernel is still timed; unfused fields are null."
+    );
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// One case
+
+/// Device buffers of one backward call. Rotating among several keeps each call's reads cold.
+struct InputSet {
+    x: CudaSlice<bf16>,
+    w: CudaSlice<bf16>,
+    topk_idx: CudaSlice<i32>,
+    topk_scores: CudaSlice<f32>,
+    grad_topk_weights: CudaSlice<f32>,
+    grad_x: CudaSlice<bf16>,
+    grad_w: CudaSlice<f32>,
+}
+
+impl InputSet {
+    /// Random inputs; the routing (indices and saved scores) comes from a GPU forward on them.
+    fn new(
+        stream: &Arc<CudaStream>,
+        router: &Router,
+        tokens: usize,
+        rng: &mut Rng,
+    ) -> Result<Self> {
+        let cfg = router.config();
+        let inp = Inputs::random(cfg, tokens, rng);
+        let (x, w) = (stream.clone_htod(&inp.x)?, stream.clone_htod(&inp.w)?);
+        let bias = stream.clone_htod(&inp.bias)?;
+        let mut routing = Routing::alloc(stream, cfg, tokens)?;
+        router.forward(stream, tokens, &x, &w, &bias, &mut routing)?;
+        let k = cfg.num_experts_per_tok;
+        Ok(Self {
+            x,
+            w,
+            topk_idx: routing.topk_idx,
+            topk_scores: routing.topk_scores,
+            grad_topk_weights: stream.clone_htod(&random_grad(tokens * k, rng))?,
+            grad_x: stream.alloc_zeros(tokens * cfg.hidden_size)?,
+            grad_w: stream.alloc_zeros(cfg.n_routed_experts * cfg.hidden_size)?,
+        })
+    }
+}
+
+/// A measured time per call and how it was obtained.
+#[derive(Clone, Copy)]
+struct Timing {
+    us: f64,
+    launches: usize,
+}
+
+struct CaseResult {
+    sets: usize,
+    fused: Timing,
+    precise: Timing,
+    unfused: Option<Timing>,
+}
+
+fn bench_case(
+    stream: &Arc<CudaStream>,
+    blas: Option<&CudaBlas>,
+    case: &Case,
+    seed: u64,
+) -> Result<CaseResult> {
+    let router = Router::new(case.config)?;
+    let (tokens, cfg) = (case.tokens, router.config());
+    // One set holds exactly what the SOL counts: x, grad_x, w, grad_w and the [T, K] inputs.
+    let sets =
+        ((MIN_ROTATED_BYTES / case.backward_bytes()).ceil() as usize).clamp(MIN_SETS, MAX_SETS);
+    let mut rng = Rng::new(seed);
+    let mut inputs = (0..sets)
+        .map(|_| InputSet::new(stream, &router, tokens, &mut rng))
+        .collect::<Result<Vec<_>>>()?;
+    // Scratch, not part of any input set: written and consumed within one call.
+    let mut workspace = router.alloc_workspace(stream, tokens)?;
+    let mut dense = stream.alloc_zeros::<bf16>(tokens * cfg.n_routed_experts)?;
+
+    if let Some(blas) = blas {
+        verify_baseline(
+            stream,
+            blas,
+            &router,
+            case,
+            &mut inputs[0],
+            &mut workspace,
+            &mut dense,
+        )?;
+    }
+    let mut time_fused = |precision| {
+        time_calls(stream, sets, |i| {
+            fused_backward(
+                stream,
+                &router,
+                tokens,
+                &mut inputs[i % sets],
+                &mut workspace,
+                precision,
+            )
+        })
+    };
+    let fused_t = time_fused(Precision::Default)?;
+    let precise_t = time_fused(Precision::Precise)?;
+    let unfused_t = match blas {
+        Some(blas) => Some(time_calls(stream, sets, |i| {
+            unfused_backward(
+                stream,
+                blas,
+                &router,
+                tokens,
+                &mut inputs[i % sets],
+                &mut dense,
+            )
+        })?),
+        None => None,
+    };
+    Ok(CaseResult {
+        sets,
+        fused: fused_t,
+        precise: precise_t,
+        unfused: unfused_t,
+    })
+}
+
+/// The fused backward on `set`, overwriting its grad_w.
+fn fused_backward(
+    stream: &Arc<CudaStream>,
+    router: &Router,
+    tokens: usize,
+    set: &mut InputSet,
+    workspace: &mut CudaSlice<u8>,
+    precision: Precision,
+) -> Result<()> {
+    let options = BackwardOptions {
+        precision,
+        ..Default::default()
+    };
+    router.backward(
+        stream,
+        tokens,
+        &set.x,
+        &set.w,
+        &set.topk_idx,
+        &set.topk_scores,
+        &set.grad_topk_weights,
+        &mut set.grad_x,
+        &mut set.grad_w,
+        options,
+        workspace,
+    )?;
+    Ok(())
+}
+
+/// Runs the fused (default precision) and the unfused backward on `set` and checks that they
+/// agree; panics otherwise, since a wrong baseline would make every speedup meaningless.
+fn verify_baseline(
+    stream: &Arc<CudaStream>,
+    blas: &CudaBlas,
+    router: &Router,
+    case: &Case,
+    set: &mut InputSet,
+    workspace: &mut CudaSlice<u8>,
+    dense: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    fused_backward(
+        stream,
+        router,
+        case.tokens,
+        set,
+        workspace,
+        Precision::Default,
+    )?;
+    let fused_x = bf16_to_f64(&stream.clone_dtoh(&set.grad_x)?);
+    let fused_w = to_f64(&stream.clone_dtoh(&set.grad_w)?);
+    // Clear the outputs so that a GEMM that writes nothing cannot pass.
+    stream.memset_zeros(&mut set.grad_x)?;
+    stream.memset_zeros(&mut set.grad_w)?;
+    unfused_backward(stream, blas, router, case.tokens, set, dense)?;
+    let err_x = rel_l2(&bf16_to_f64(&stream.clone_dtoh(&set.grad_x)?), &fused_x);
+    let err_w = rel_l2(&to_f64(&stream.clone_dtoh(&set.grad_w)?), &fused_w);
+    // `!(a < b)` so that NaN fails too.
+    if !(err_x < GRAD_X_TOL && err_w < GRAD_W_TOL) {
+        panic!(
+            "{}: the unfused baseline disagrees with the fused backward: relative L2 error of \
+             grad_x {err_x:.3e} (limit {GRAD_X_TOL:e}), grad_w {err_w:.3e} (limit \
+             {GRAD_W_TOL:e}); the cuBLAS transposes or leading dimensions are wrong",
+            case.name
+        );
+    }
+    Ok(())
+}
+
+/// ‖a − b‖₂ / ‖b‖₂ in f64.
+fn rel_l2(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "rel_l2: length mismatch");
+    let diff: f64 = a.iter().zip(b).map(|(p, q)| (p - q) * (p - q)).sum();
+    let norm: f64 = b.iter().map(|q| q * q).sum();
+    (diff / norm).sqrt()
+}
+
+/// The unfused baseline: the dense bf16 routing gradient G [T, E], then two cuBLAS GEMMs with
+/// fp32 accumulation: grad_x [T, H] (bf16) = G · w and grad_w [E, H] (fp32) = Gᵀ · x.
+///
+/// All tensors are row-major and cuBLAS is column-major: a row-major [R, C] matrix is the
+/// column-major [C, R] matrix (its transpose) with leading dimension C, so the row-major
+/// product C = A · B is computed as the column-major Cᵀ = Bᵀ · Aᵀ.
+fn unfused_backward(
+    stream: &Arc<CudaStream>,
+    blas: &CudaBlas,
+    router: &Router,
+    tokens: usize,
+    set: &mut InputSet,
+    dense: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+    use cublas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+
+    router.baseline_routing_grad_dense(
+        stream,
+        tokens,
+        &set.topk_idx,
+        &set.topk_scores,
+        &set.grad_topk_weights,
+        dense,
+    )?;
+    let cfg = router.config();
+    let t = c_int::try_from(tokens)?;
+    let e = c_int::try_from(cfg.n_routed_experts)?;
+    let h = c_int::try_from(cfg.hidden_size)?;
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let (alpha, beta) = (
+        &alpha as *const f32 as *const c_void,
+        &beta as *const f32 as *const c_void,
+    );
+    // The guards keep the buffers alive and ordered on `stream` until both GEMMs are enqueued.
+    let (g, _g) = dense.device_ptr(stream);
+    let (x, _x) = set.x.device_ptr(stream);
+    let (w, _w) = set.w.device_ptr(stream);
+    let (grad_x, _grad_x) = set.grad_x.device_ptr_mut(stream);
+    let (grad_w, _grad_w) = set.grad_w.device_ptr_mut(stream);
+    let handle = *blas.handle();
+    let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+    // SAFETY: every pointer addresses a live device allocation of the size the shapes imply
+    // (checked by the router for G, by construction for the rest); alpha and beta are host
+    // f32 values, as the handle's default (host) pointer mode and the 32F compute type need.
+    unsafe {
+        // grad_x [T, H] = G [T, E] · w [E, H]; column-major: grad_xᵀ [H, T] = wᵀ [H, E] · Gᵀ [E, T],
+        // where wᵀ and Gᵀ are w and G as stored (leading dimensions H and E).
+        gemm_ex(
+            handle,
+            CUBLAS_OP_N,
+            CUBLAS_OP_N,
+            h,
+            t,
+            e,
+            alpha,
+            w as *const c_void,
+            CUDA_R_16BF,
+            h,
+            g as *const c_void,
+            CUDA_R_16BF,
+            e,
+            beta,
+            grad_x as *mut c_void,
+            CUDA_R_16BF,
+            h,
+            compute,
+            algo,
+        )?;
+        // grad_w [E, H] = Gᵀ [E, T] · x [T, H]; column-major: grad_wᵀ [H, E] = xᵀ [H, T] · G [T, E],
+        // where xᵀ is x as stored (leading dimension H) and G is the stored Gᵀ [E, T] transposed.
+        gemm_ex(
+            handle,
+            CUBLAS_OP_N,
+            CUBLAS_OP_T,
+            h,
+            e,
+            t,
+            alpha,
+            x as *const c_void,
+            CUDA_R_16BF,
+            h,
+            g as *const c_void,
+            CUDA_R_16BF,
+            e,
+            beta,
+            grad_w as *mut c_void,
+            CUDA_R_32F,
+            h,
+            compute,
+            algo,
+        )?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Timing
+
+/// GPU time per call of `call(i)` (which uses input set `i % sets`): CUDA events around
+/// rounds of back-to-back calls, median of [`ROUNDS`] rounds, after warm-up.
+fn time_calls(
+    stream: &Arc<CudaStream>,
+    sets: usize,
+    mut call: impl FnMut(usize) -> Result<()>,
+) -> Result<Timing> {
+    // Warm-up: one call on every set (module loading, cuBLAS heuristics, first touch).
+    for i in 0..sets {
+        call(i)?;
+    }
+    stream.synchronize()?;
+
+    // Events made by cudarc default to CU_EVENT_DISABLE_TIMING, so ask for timing ones.
+    let ctx = stream.context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    // Launch counts are multiples of `sets`, so every round starts on set 0 right after a
+    // round that ended on the last set: no two consecutive calls share a set.
+    let mut round = |launches: usize| -> Result<f64> {
+        start.record(stream)?;
+        for i in 0..launches {
+            call(i)?;
+        }
+        end.record(stream)?;
+        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / launches as f64)
+    };
+
+    // Calibrate the launch count on a short round, so that a round lasts >= MIN_ROUND_US.
+    let estimate_us = round(sets * 8usize.div_ceil(sets))?;
+    let launches = ((MIN_ROUND_US / estimate_us.max(1e-3)).ceil() as usize)
+        .clamp(1, MAX_LAUNCHES)
+        .div_ceil(sets)
+        * sets;
+    let mut per_call = (0..ROUNDS)
+        .map(|_| round(launches))
+        .collect::<Result<Vec<f64>>>()?;
+    per_call.sort_by(f64::total_cmp);
+    Ok(Timing {
+        us: per_call[ROUNDS / 2],
+        launches,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Report
+
+/// Derived figures of one case.
+struct Figures {
+    sol_us: f64,
+    fused_tbps: f64,
+    sol_pct: f64,
+    speedup: Option<f64>,
+}
+
+impl Figures {
+    fn of(case: &Case, r: &CaseResult) -> Self {
+        let sol_us = case.backward_sol_s() * 1e6;
+        Self {
+            sol_us,
+            fused_tbps: case.backward_bytes() / (r.fused.us * 1e-6) / 1e12,
+            sol_pct: sol_us / r.fused.us * 100.0,
+            speedup: r.unfused.map(|u| u.us / r.fused.us),
+        }
+    }
+}
+
+fn print_header() {
+    println!(
+        "{:<16} {:>6} {:>10} {:>11} {:>11} {:>8} {:>6} {:>6} {:>8} {:>5}",
+        "case",
+        "T",
+        "fused µs",
+        "precise µs",
+        "unfused µs",
+        "SOL µs",
+        "TB/s",
+        "%SOL",
+        "speedup",
+        "sets"
+    );
+}
+
+fn print_row(case: &Case, r: &CaseResult) {
+    let f = Figures::of(case, r);
+    let or_dash = |v: Option<f64>, digits: usize, suffix: &str| {
+        v.map_or("—".to_string(), |v| format!("{v:.digits$}{suffix}"))
+    };
+    println!(
+        "{:<16} {:>6} {:>10.2} {:>11.2} {:>11} {:>8.2} {:>6.2} {:>5.1}% {:>8} {:>5}",
+        case.name,
+        case.tokens,
+        r.fused.us,
+        r.precise.us,
+        or_dash(r.unfused.map(|u| u.us), 2, ""),
+        f.sol_us,
+        f.fused_tbps,
+        f.sol_pct,
+        or_dash(f.speedup, 2, "x"),
+        r.sets,
+    );
+    // Results arrive case by case over minutes; show each as soon as it is known.
+    let _ = std::io::stdout().flush();
+}
+
+fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
+struct Summary {
+    sol_pct: Option<f64>,
+    speedup: Option<f64>,
+    fused_us: Option<f64>,
+    unfused_us: Option<f64>,
+    precise_ratio: Option<f64>,
+}
+
+impl Summary {
+    fn of(cases: &[Case], results: &[CaseResult]) -> Self {
+        let figures: Vec<Figures> = cases
+            .iter()
+            .zip(results)
+            .map(|(c, r)| Figures::of(c, r))
+            .collect();
+        // Baseline means only when every case has the baseline, or they would average a
+        // different subset of cases than the fused means.
+        let all_unfused = results.iter().all(|r| r.unfused.is_some());
+        Self {
+            sol_pct: mean(figures.iter().map(|f| f.sol_pct)),
+            speedup: mean(figures.iter().filter_map(|f| f.speedup)).filter(|_| all_unfused),
+            fused_us: mean(results.iter().map(|r| r.fused.us)),
+            unfused_us: mean(results.iter().filter_map(|r| r.unfused.map(|u| u.us)))
+                .filter(|_| all_unfused),
+            precise_ratio: mean(results.iter().map(|r| r.precise.us / r.fused.us)),
+        }
+    }
+
+    fn print(&self, device: &str) {
+        let show = |v: Option<f64>, digits: usize| {
+            v.map_or("—".to_string(), |v| format!("{v:.digits$}"))
+        };
+        println!("mean fused %SOL:          {}%", show(self.sol_pct, 1));
+        println!("mean speedup vs unfused:  {}x", show(self.speedup, 2));
+        println!("mean fused µs:            {}", show(self.fused_us, 2));
+        println!("mean unfused µs:          {}", show(self.unfused_us, 2));
+        println!("mean precise/fused ratio: {}", show(self.precise_ratio, 3));
+        println!("device: {device}");
+    }
+}
+
+/// `s` as a JSON string literal.
+fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A number, or null when absent or not finite (JSON has no NaN or infinity).
+fn json_num(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v.is_finite() => format!("{v:.4}"),
+        _ => "null".into(),
+    }
+}
+
+fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Summary) -> String {
+    let method = format!(
+        "CUDA events, median of {ROUNDS} rounds of N back-to-back calls, S input sets rotated \
+         (>= 100 MB); per case N is `launches` (a round lasts >= {} ms) and S is `sets`",
+        MIN_ROUND_US / 1e3
+    );
+    let rows: Vec<String> = cases
+        .iter()
+        .zip(results)
+        .map(|(case, r)| {
+            let f = Figures::of(case, r);
+            format!(
+                "{{\"name\": {}, \"tokens\": {}, \"fused_us\": {}, \"precise_us\": {}, \
+                 \"unfused_us\": {}, \"sol_us\": {}, \"fused_tbps\": {}, \"sol_pct\": {}, \
+                 \"speedup\": {}, \"sets\": {}, \"launches\": {}}}",
+                json_str(&case.name),
+                case.tokens,
+                json_num(Some(r.fused.us)),
+                json_num(Some(r.precise.us)),
+                json_num(r.unfused.map(|u| u.us)),
+                json_num(Some(f.sol_us)),
+                json_num(Some(f.fused_tbps)),
+                json_num(Some(f.sol_pct)),
+                json_num(f.speedup),
+                r.sets,
+                r.fused.launches,
+            )
+        })
+        .collect();
+    format!(
+        "{{\"device\": {}, \"method\": {},\n \"backward\": {{\"cases\": [\n  {}\n ],\n \
+         \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
+         \"mean_unfused_us\": {}, \"mean_precise_ratio\": {}}}}}\n",
+        json_str(device),
+        json_str(&method),
+        rows.join(",\n  "),
+        json_num(s.sol_pct),
+        json_num(s.speedup),
+        json_num(s.fused_us),
+        json_num(s.unfused_us),
+        json_num(s.precise_ratio),
+    )
+}

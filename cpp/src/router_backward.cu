@@ -1,4 +1,5 @@
 // Host launcher of the backward.
+#include "fused_backward.h"
 #include "kernels/backward_simple.cuh"
 #include "launch.h"
 #include "validate.h"
@@ -7,8 +8,11 @@ namespace moe_routing {
 
 size_t backward_workspace_bytes(const RouterConfig& cfg, int64_t tokens) {
   if (tokens <= 0 || validate_config(cfg) != Status::kSuccess) return 0;
+  // Tickets, then the larger of the two paths' scratch (the precision picks the path).
   const size_t dense = size_t(tokens) * size_t(cfg.n_routed_experts) * sizeof(float);
-  return (dense + 255) / 256 * 256;
+  const size_t fused = detail::fused_backward_scratch_bytes(cfg, tokens);
+  const size_t scratch = dense > fused ? dense : fused;
+  return detail::kTicketBytes + (scratch + 255) / 256 * 256;
 }
 
 Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream) {
@@ -23,6 +27,9 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
         cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * sizeof(float), stream));
   }
 
+  if (detail::fused_backward_supported(cfg, a.precision))
+    return detail::launch_fused_backward(cfg, a, device, stream);
+
   kernels::BackwardParams p{};
   p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
   p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
@@ -31,7 +38,7 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
   p.grad_topk_weights = a.grad_topk_weights.data;
   p.grad_x = reinterpret_cast<__nv_bfloat16*>(a.grad_x.data);
   p.grad_w = a.grad_w.data;
-  p.dense_grad = reinterpret_cast<float*>(a.workspace.data);
+  p.dense_grad = reinterpret_cast<float*>(a.workspace.data + detail::kTicketBytes);
   p.tokens = a.tokens;
   p.hidden = int(H);
   p.experts = int(E);

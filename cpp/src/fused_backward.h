@@ -1,0 +1,27 @@
+// The fused backward's host side: which shapes it takes, its workspace, its launch.
+#pragma once
+
+#include "moe_routing/router.h"
+
+namespace moe_routing::detail {
+
+// The workspace starts with the fused kernel's grad_w tickets (zero between launches), so that
+// every path leaves them intact; the rest is per-path scratch.
+constexpr size_t kTicketBytes = 2048;
+constexpr int kFusedMaxSplits = 4;
+
+// True where the fused kernel handles the shape (others take the simple path).
+bool fused_backward_supported(const RouterConfig& cfg, Precision precision);
+
+// Scratch bytes after the tickets for the fused kernel (grad_w partials).
+size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
+
+Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
+                             cudaStream_t stream);
+
+// One instantiation per expert count, each in its own translation unit.
+template <int kExperts>
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int splits,
+                               int tiles_per_split, cudaStream_t stream);
+
+}  // namespace moe_routing::detail

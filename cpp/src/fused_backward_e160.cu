@@ -1,0 +1,7 @@
+// The fused backward for 160 experts (GLM-4.5).
+#include "fused_backward_launch.cuh"
+
+namespace moe_routing::detail {
+template Status launch_fused_backward_e<160>(const RouterConfig&, const BackwardArgs&, int, int,
+                                             cudaStream_t);
+}  // namespace moe_routing::detail

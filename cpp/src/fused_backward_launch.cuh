@@ -1,0 +1,60 @@
+// Host launch of one fused-backward instantiation: TMA descriptors, parameters, launch.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "fused_backward.h"
+#include "kernels/fused_backward/kernel_sm90.cuh"
+#include "launch.h"
+
+namespace moe_routing::detail {
+
+template <int kExperts>
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int splits,
+                               int tiles_per_split, cudaStream_t stream) {
+  using namespace cute;
+  namespace fb = kernels::fused_backward;
+  using Cfg = fb::Config<kExperts>;
+  using Elem = typename Cfg::Elem;
+  const int64_t H = cfg.hidden_size, T = a.tokens;
+
+  // Global tensors, h-major: (H, T) and (H, E) with h contiguous.
+  Tensor mX = make_tensor(make_gmem_ptr(reinterpret_cast<const Elem*>(a.x.data)),
+                          make_shape(int(H), int(T)), make_stride(_1{}, H));
+  Tensor mW = make_tensor(make_gmem_ptr(reinterpret_cast<const Elem*>(a.w.data)),
+                          make_shape(int(H), Int<kExperts>{}), make_stride(_1{}, H));
+  Tensor mGX = make_tensor(make_gmem_ptr(reinterpret_cast<Elem*>(a.grad_x.data)),
+                           make_shape(int(H), int(T)), make_stride(_1{}, H));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
+  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{});
+  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{}(_, _, 0));
+
+  using P = fb::Params<decltype(tma_x), decltype(tma_w), decltype(tma_gx)>;
+  P p{tma_x, tma_w, tma_gx};
+  p.topk_idx = a.topk_idx.data;
+  p.topk_scores = a.topk_scores.data;
+  p.grad_topk_weights = a.grad_topk_weights.data;
+  p.grad_w = a.grad_w.data;
+  p.tickets = reinterpret_cast<int*>(a.workspace.data);
+  p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
+  p.tokens = T;
+  p.hidden = int(H);
+  p.top_k = int(cfg.num_experts_per_tok);
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  p.accumulate = a.accumulate_grad_w;
+  p.tiles = int(ceil_div(T, Cfg::kTileT));
+  p.tiles_per_split = tiles_per_split;
+  p.splits = splits;
+
+  auto kernel = fb::fused_backward_sm90<Cfg, P>;
+  if (Status s = cuda_status(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+      s != Status::kSuccess)
+    return s;
+  dim3 grid(unsigned(H / Cfg::kTileH), unsigned(splits));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  return last_launch_status();
+}
+
+}  // namespace moe_routing::detail
