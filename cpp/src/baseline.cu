@@ -25,8 +25,10 @@ __global__ void routing_grad_dense_bf16(const int32_t* topk_idx, const float* to
   __nv_bfloat16* row = dense + t * experts;
   for (int i = lane; i < experts; i += 32) {
     float v = 0.0f;
-    for (int k = 0; k < top_k; ++k) {
-      if (__shfl_sync(0xFFFFFFFFu, e, k) == i) v += __shfl_sync(0xFFFFFFFFu, gl, k);
+    for (int k = 0; k < top_k; ++k) {  // shuffles outside the branch: all lanes take part
+      const int ek = __shfl_sync(0xFFFFFFFFu, e, k);
+      const float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
+      if (ek == i) v += gk;
     }
     row[i] = __float2bfloat16(v);
   }
