@@ -34,6 +34,7 @@ int sm_count(int device) {
 
 bool fused_backward_supported(const RouterConfig& cfg, Precision precision) {
   return precision == Precision::kDefault && cfg.n_routed_experts == 160 &&
+         cfg.num_experts_per_tok == 8 &&
          cfg.hidden_size % kTileH == 0;
 }
 
@@ -49,7 +50,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
                              cudaStream_t stream) {
   const Split s = plan(cfg, a.tokens, sm_count(device));
   switch (cfg.n_routed_experts) {
-    case 160: return launch_fused_backward_e<160>(cfg, a, s.splits, s.tiles_per_split, stream);
+    case 160: return launch_fused_backward_e<160, 8>(cfg, a, s.splits, s.tiles_per_split, stream);
     default: return Status::kUnsupported;
   }
 }

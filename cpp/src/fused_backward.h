@@ -19,8 +19,8 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
 
-// One instantiation per expert count, each in its own translation unit.
-template <int kExperts>
+// One instantiation per (expert count, top-k), each in its own translation unit.
+template <int kExperts, int kTopK>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int splits,
                                int tiles_per_split, cudaStream_t stream);
 

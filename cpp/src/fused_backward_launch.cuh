@@ -9,12 +9,12 @@
 
 namespace moe_routing::detail {
 
-template <int kExperts>
+template <int kExperts, int kTopK>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int splits,
                                int tiles_per_split, cudaStream_t stream) {
   using namespace cute;
   namespace fb = kernels::fused_backward;
-  using Cfg = fb::Config<kExperts>;
+  using Cfg = fb::Config<kExperts, kTopK>;
   using Elem = typename Cfg::Elem;
   const int64_t H = cfg.hidden_size, T = a.tokens;
 
@@ -39,7 +39,6 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
   p.tokens = T;
   p.hidden = int(H);
-  p.top_k = int(cfg.num_experts_per_tok);
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;

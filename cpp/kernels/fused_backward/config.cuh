@@ -18,9 +18,10 @@ namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <int kExperts_, int kStages_ = 2>
+template <int kExperts_, int kTopK_, int kStages_ = 2>
 struct Config {
   static constexpr int kExperts = kExperts_;
+  static constexpr int kTopK = kTopK_;
   static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup in dgrad
   static constexpr int kTileH = 128;  // hidden columns per CTA: 64 per warpgroup in wgrad
   static constexpr int kStages = kStages_;
@@ -28,6 +29,7 @@ struct Config {
   static constexpr int kThreads = 128 * (1 + kConsumers);
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
+  static_assert(kTopK % 4 == 0 && kTopK <= 16, "K: rows load as 16-byte vectors");
 
   using Elem = cutlass::bfloat16_t;
   using TileT = Int<kTileT>;

@@ -33,7 +33,6 @@ struct Params {
   int* tickets = nullptr;     // [H / kTileH], zero between launches
   int64_t tokens = 0;
   int hidden = 0;
-  int top_k = 0;
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<96>();
     const int thread = threadIdx.x;
     Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));          // (H, T)
     Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));  // (h, t, tile)
@@ -97,24 +96,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       FullBarrier::arrive_and_expect_tx(&smem.w_full, Cfg::kWBytes);
       copy(p.tma_w.with(smem.w_full), tWgW, tWsW);
     }
+    TokenRouting<Cfg::kTopK> next;
+    auto load = [&](int tile) {
+      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights, int64_t(tile) * kTileT + thread,
+                p.tokens);
+    };
+    if (num_tiles > 0) load(tile_begin);
     for (int n = 0; n < num_tiles; ++n) {
       const int s = n % kStages;
       const uint32_t phase = (n / kStages) & 1;
+      const TokenRouting<Cfg::kTopK> cur = next;
+      if (n + 1 < num_tiles) load(tile_begin + n + 1);  // in flight while we wait
       EmptyBarrier::wait(&smem.empty[s], phase ^ 1);
-      const int tile = tile_begin + n;
       if (thread == 0) {
         FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kXBytes);
-        copy(p.tma_x.with(smem.full[s]), tXgX(_, tile), tXsX(_, s));
+        copy(p.tma_x.with(smem.full[s]), tXgX(_, tile_begin + n), tXsX(_, s));
       }
-      build_routing_grad_tile<kTileT, kExperts>(sG(_, _, s), thread, p.topk_idx, p.topk_scores,
-                                                p.grad_topk_weights, int64_t(tile) * kTileT,
-                                                p.tokens, p.top_k, p.scale, p.norm, kBarProducer);
+      build_routing_grad_tile<kTileT, kExperts>(sG(_, _, s), thread, cur, p.scale, p.norm,
+                                                kBarProducer);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       FullBarrier::arrive(&smem.full[s]);
     }
   } else {
     // ------------------------------------------------------------------ consumers
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<200>();
     const int ct = threadIdx.x - 128;  // consumer thread
     const int wg = ct / 128;           // consumer warpgroup
     typename Cfg::MmaDgrad mma_d;
@@ -168,8 +173,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       warpgroup_fence_operand(acc_d);
       if (store_leader) tma_store_wait<0>();  // the staging's previous store has read it
       cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+      Tensor tDrGX = make_fragment_like<Elem>(acc_d);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_d); ++i) tDsGX(i) = Elem(acc_d(i));
+      for (int i = 0; i < size(acc_d); ++i) tDrGX(i) = Elem(acc_d(i));
+      copy(AutoVectorizingCopy{}, tDrGX, tDsGX);  // bf16 pairs: adjacent h
       cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
       cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
       if (store_leader) {
