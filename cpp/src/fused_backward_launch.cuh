@@ -27,7 +27,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
                            make_shape(int(H), int(T)), make_stride(_1{}, H));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
   auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{});
-  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{}(_, _, 0));
+  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{});
 
   using P = fb::Params<decltype(tma_x), decltype(tma_w), decltype(tma_gx)>;
   P p{tma_x, tma_w, tma_gx};

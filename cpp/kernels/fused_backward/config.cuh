@@ -4,7 +4,8 @@
 // Per token tile it holds, in shared memory:
 //   sG  (t, e)  the routing gradient G, built by the producer warpgroup from the [T, K] inputs
 //   sX  (h, t)  the x tile, by TMA
-// and, for the whole range, sW (h, e), its slice of w. Two consumer warpgroups compute
+// and, for the whole range, sW (h, e), its slice of w. Two consumer warpgroups compute, one
+// GEMM each, concurrently:
 //   dgrad  grad_x(t, h)  = Σ_e G(t, e) · w(e, h)      A = sG (K-major), B = sW (MN-major)
 //   wgrad  grad_wᵀ(h, e) += Σ_t x(t, h) · G(t, e)     A = sX (MN-major), B = sGᵀ (MN-major)
 // wgrad reads the same sG tile through a transposed view: the K-major SW64 atom of G, read
@@ -25,7 +26,7 @@ struct Config {
   static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup in dgrad
   static constexpr int kTileH = 128;  // hidden columns per CTA: 64 per warpgroup in wgrad
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumers = 2;  // consumer warpgroups
+  static constexpr int kConsumers = 2;  // consumer warpgroups: dgrad, wgrad
   static constexpr int kThreads = 128 * (1 + kConsumers);
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
@@ -51,22 +52,20 @@ struct Config {
   // (h, e): the CTA's slice of w, h contiguous; dgrad's MN-major B.
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                              Shape<TileH, Experts>{}, Step<_2, _1>{}));
-  // (h, t in half, half): grad_x staging for the TMA store, one half per consumer warpgroup.
+  // (h, t): grad_x staging for the TMA store.
   using SmemLayoutGX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                              Shape<TileH, Int<kTileT / 2>, _2>{},
-                                              Step<_2, _1, _3>{}));
+                                              Shape<TileH, TileT>{}, Step<_2, _1>{}));
   // (t, h): the staging seen as dgrad's accumulator tile.
   using SmemLayoutGXt = decltype(composition(
       SmemLayoutGX{}, make_layout(Shape<TileT, TileH>{}, make_stride(TileH{}, _1{}))));
 
+  // One warpgroup each; M = 128 runs as two m64 instructions per k-step.
   using MmaDgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, TileH, _16>, GMMA::Major::K,
-                                 GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+                                 GMMA::Major::MN>()));
   using MmaWgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, _16>, GMMA::Major::MN,
-                                 GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+                                 GMMA::Major::MN>()));
 
   static constexpr int kXBytes = kTileT * kTileH * 2;
   static constexpr int kWBytes = kExperts * kTileH * 2;

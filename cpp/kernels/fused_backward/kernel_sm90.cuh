@@ -1,9 +1,10 @@
 // The fused backward kernel (sm90a): routing gradient → dgrad and wgrad in one pass over x.
 //
 // Warp roles (three warpgroups, one CTA per SM):
-//   producer   (warpgroup 0): TMA of w once and of x per tile; builds G per tile.
-//   consumers  (warpgroups 1, 2): per tile, dgrad into registers → bf16 → TMA store of grad_x;
-//              wgrad accumulated in registers over the CTA's token range.
+//   producer  (warpgroup 0): TMA of w once and of x per tile; builds G per tile.
+//   dgrad     (warpgroup 1): per tile, grad_x into registers → bf16 → staging → TMA store.
+//   wgrad     (warpgroup 2): grad_wᵀ accumulated in registers over the CTA's token range.
+// The two GEMMs run concurrently; a stage is free once both have read it.
 // After the range, each CTA writes its grad_w partial; the last CTA of an h-slice (ticket in
 // global memory) sums the partials in split order, so grad_w is bitwise deterministic.
 #pragma once
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.w), typename Cfg::SmemLayoutW{});    // (h, e)
-  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});    // (h, t/2, 2)
+  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});    // (h, t)
   Tensor sGXt = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGXt{});  // (t, h)
 
   if (threadIdx.x == 0) {
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<96>();
+    cutlass::arch::warpgroup_reg_dealloc<64>();
     const int thread = threadIdx.x;
     Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));          // (H, T)
     Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));  // (h, t, tile)
@@ -117,80 +118,87 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       FullBarrier::arrive(&smem.full[s]);
     }
-  } else {
-    // ------------------------------------------------------------------ consumers
-    cutlass::arch::warpgroup_reg_alloc<200>();
-    const int ct = threadIdx.x - 128;  // consumer thread
-    const int wg = ct / 128;           // consumer warpgroup
-    typename Cfg::MmaDgrad mma_d;
-    typename Cfg::MmaWgrad mma_w;
-    auto thr_d = mma_d.get_thread_slice(ct);
-    auto thr_w = mma_w.get_thread_slice(ct);
+  } else if (warpgroup == 1) {
+    // ------------------------------------------------------------------ dgrad → grad_x
+    cutlass::arch::warpgroup_reg_alloc<224>();
+    const int ct = threadIdx.x - 128;
+    typename Cfg::MmaDgrad mma;
+    auto thr = mma.get_thread_slice(ct);
+    Tensor tDrG = thr.make_fragment_A(thr.partition_A(sG));  // (MMA, 2, E/16, stage)
+    Tensor tDrW = thr.make_fragment_B(thr.partition_B(sW));  // (MMA, 1, E/16)
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kTileT>, Int<kTileH>>{});  // (t, h)
+    Tensor tDsGX = thr.partition_C(sGXt);
 
-    Tensor tDsG = thr_d.partition_A(sG);    // (MMA, MMA_M, MMA_K, stage)
-    Tensor tDsW = thr_d.partition_B(sW);    // (MMA, MMA_N, MMA_K)
-    Tensor tWsX = thr_w.partition_A(sX);    // (MMA, MMA_M, MMA_K, stage)
-    Tensor tWsGt = thr_w.partition_B(sGt);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor tDrG = thr_d.make_fragment_A(tDsG);
-    Tensor tDrW = thr_d.make_fragment_B(tDsW);
-    Tensor tWrX = thr_w.make_fragment_A(tWsX);
-    Tensor tWrGt = thr_w.make_fragment_B(tWsGt);
-
-    Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileT>, Int<kTileH>>{});    // (t, h)
-    Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
-    Tensor tDsGX = thr_d.partition_C(sGXt);  // this thread's (t, h) staging slots
-    clear(acc_w);
-
-    // grad_x store: (TMA, half) ← staging, (TMA, 2·tile + half) → global.
+    // grad_x store: (TMA) staging → (TMA, tile) global.
     Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));
-    Tensor gGX = local_tile(mGX, Shape<Int<kTileH>, Int<kTileT / 2>>{}, make_coord(hc, _));
-    auto [tSgGX, tSsGX] = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGX),
-                                        group_modes<0, 2>(gGX));
-    const bool store_leader = (ct % 128) == 0;
+    Tensor gGX = local_tile(mGX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));
+    auto [tSgGX, tSsGX] = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{},
+                                        group_modes<0, 2>(sGX), group_modes<0, 2>(gGX));
+    const bool leader = ct == 0;
 
     FullBarrier::wait(&smem.w_full, 0);
     for (int n = 0; n < num_tiles; ++n) {
       const int s = n % kStages;
-      const uint32_t phase = (n / kStages) & 1;
-      FullBarrier::wait(&smem.full[s], phase);
-
-      warpgroup_fence_operand(acc_d);
-      warpgroup_fence_operand(acc_w);
+      FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+      warpgroup_fence_operand(acc);
       warpgroup_arrive();
-      mma_d.accumulate_ = GMMA::ScaleOut::Zero;
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tDrG); ++k) {
-        gemm(mma_d, tDrG(_, _, k, s), tDrW(_, _, k), acc_d);
-        mma_d.accumulate_ = GMMA::ScaleOut::One;
+        gemm(mma, tDrG(_, _, k, s), tDrW(_, _, k), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, s), tWrGt(_, _, k, s), acc_w);
-      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      EmptyBarrier::arrive(&smem.empty[s]);  // this GEMM is done with the stage
 
-      // dgrad done: stage grad_x while wgrad runs on.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_d);
-      if (store_leader) tma_store_wait<0>();  // the staging's previous store has read it
-      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-      Tensor tDrGX = make_fragment_like<Elem>(acc_d);
+      if (leader) tma_store_wait<0>();  // the previous store has read the staging
+      cutlass::arch::NamedBarrier::sync(128, kBarStore0);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_d); ++i) tDrGX(i) = Elem(acc_d(i));
-      copy(AutoVectorizingCopy{}, tDrGX, tDsGX);  // bf16 pairs: adjacent h
-      cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
-      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-      if (store_leader) {
-        copy(p.tma_gx, tSsGX(_, wg), tSgGX(_, 2 * (tile_begin + n) + wg));
+      for (int m = 0; m < size<1>(acc); ++m) {  // one m64 half at a time: fewer live registers
+        Tensor half = acc(_, m, _);
+        Tensor tDrGX = make_fragment_like<Elem>(half);
+        CUTE_UNROLL
+        for (int i = 0; i < size(half); ++i) tDrGX(i) = Elem(half(i));
+        copy(AutoVectorizingCopy{}, tDrGX, tDsGX(_, m, _));  // bf16 pairs: adjacent h
+      }
+      cutlass::arch::fence_view_async_shared();   // staging writes → TMA store reads
+      cutlass::arch::NamedBarrier::sync(128, kBarStore0);
+      if (leader) {
+        copy(p.tma_gx, tSsGX, tSgGX(_, tile_begin + n));
         tma_store_arrive();
       }
-
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_w);
-      EmptyBarrier::arrive(&smem.empty[s]);
     }
-    if (store_leader) tma_store_wait<0>();
+    if (leader) tma_store_wait<0>();
+  } else {
+    // ------------------------------------------------------------------ wgrad → grad_w
+    cutlass::arch::warpgroup_reg_alloc<224>();
+    const int ct = threadIdx.x - 256;
+    typename Cfg::MmaWgrad mma;
+    auto thr = mma.get_thread_slice(ct);
+    Tensor tWrX = thr.make_fragment_A(thr.partition_A(sX));    // (MMA, 2, T/16, stage)
+    Tensor tWrGt = thr.make_fragment_B(thr.partition_B(sGt));  // (MMA, 1, T/16, stage)
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
+    clear(acc);
+    // One tile's batch stays in flight: stage n-1 is released once batch n is issued.
+    for (int n = 0; n < num_tiles; ++n) {
+      const int s = n % kStages;
+      FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma, tWrX(_, _, k, s), tWrGt(_, _, k, s), acc);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (num_tiles > 0) EmptyBarrier::arrive(&smem.empty[(num_tiles - 1) % kStages]);
 
-    // ---------------------------------------------------------------- grad_w
+    // Partial (or, with one split, final) grad_w of this CTA.
     const int64_t H = p.hidden;
     const int h0 = hc * kTileH;
     auto view = [&](float* base) {  // (h, e) of this CTA's slice
@@ -198,24 +206,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                          make_layout(Shape<Int<kTileH>, Int<kExperts>>{}, make_stride(_1{}, H)));
     };
     if (p.splits == 1) {
-      Tensor tWgW = thr_w.partition_C(view(p.grad_w));
+      Tensor tWgW = thr.partition_C(view(p.grad_w));
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i)
-        tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+      for (int i = 0; i < size(acc); ++i)
+        tWgW(i) = p.accumulate ? tWgW(i) + acc(i) : acc(i);
       return;
     }
-    Tensor tWgP = thr_w.partition_C(view(p.partials + int64_t(split) * kExperts * H));
+    Tensor tWgP = thr.partition_C(view(p.partials + int64_t(split) * kExperts * H));
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i) tWgP(i) = acc_w(i);
+    for (int i = 0; i < size(acc); ++i) tWgP(i) = acc(i);
     __threadfence();
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    cutlass::arch::NamedBarrier::sync(128, kBarConsumers);
     if (ct == 0) smem.last_split = atomicAdd(p.tickets + hc, 1) == p.splits - 1;
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    cutlass::arch::NamedBarrier::sync(128, kBarConsumers);
     if (!smem.last_split) return;
     __threadfence();
     // Sum the partials in split order: the same bits whichever CTA finishes last.
     constexpr int kVecsPerRow = kTileH / 4;
-    for (int i = ct; i < kExperts * kVecsPerRow; i += 256) {
+    for (int i = ct; i < kExperts * kVecsPerRow; i += 128) {
       const int e = i / kVecsPerRow, h = h0 + (i % kVecsPerRow) * 4;
       float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + h);
       float4 sum = p.accumulate ? *dst : make_float4(0.f, 0.f, 0.f, 0.f);
