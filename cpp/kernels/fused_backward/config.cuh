@@ -28,6 +28,12 @@ struct Config {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = 2;  // consumer warpgroups: dgrad, wgrad
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
+  // the producer gives up from the 168 per thread of a 384-thread CTA, or they wait forever.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168,
+                "register reallocation must balance");
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
   static_assert(kTopK % 4 == 0 && kTopK <= 16, "K: rows load as 16-byte vectors");

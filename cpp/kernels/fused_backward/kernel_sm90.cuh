@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
-    cutlass::arch::warpgroup_reg_dealloc<64>();
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     const int thread = threadIdx.x;
     Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));          // (H, T)
     Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));  // (h, t, tile)
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
   } else if (warpgroup == 1) {
     // ------------------------------------------------------------------ dgrad → grad_x
-    cutlass::arch::warpgroup_reg_alloc<224>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int ct = threadIdx.x - 128;
     typename Cfg::MmaDgrad mma;
     auto thr = mma.get_thread_slice(ct);
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     if (leader) tma_store_wait<0>();
   } else {
     // ------------------------------------------------------------------ wgrad → grad_w
-    cutlass::arch::warpgroup_reg_alloc<224>();
+    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int ct = threadIdx.x - 256;
     typename Cfg::MmaWgrad mma;
     auto thr = mma.get_thread_slice(ct);
