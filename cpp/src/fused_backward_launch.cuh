@@ -1,6 +1,8 @@
 // Host launch of one fused-backward instantiation: TMA descriptors, parameters, launch.
 #pragma once
 
+#include <atomic>
+
 #include <cute/tensor.hpp>
 
 #include "fused_backward.h"
@@ -23,14 +25,12 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
                           make_shape(int(H), int(T)), make_stride(_1{}, H));
   Tensor mW = make_tensor(make_gmem_ptr(reinterpret_cast<const Elem*>(a.w.data)),
                           make_shape(int(H), Int<kExperts>{}), make_stride(_1{}, H));
-  Tensor mGX = make_tensor(make_gmem_ptr(reinterpret_cast<Elem*>(a.grad_x.data)),
-                           make_shape(int(H), int(T)), make_stride(_1{}, H));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
   auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{});
-  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{});
 
-  using P = fb::Params<decltype(tma_x), decltype(tma_w), decltype(tma_gx)>;
-  P p{tma_x, tma_w, tma_gx};
+  using P = fb::Params<decltype(tma_x), decltype(tma_w)>;
+  P p{tma_x, tma_w};
+  p.grad_x = reinterpret_cast<__nv_bfloat16*>(a.grad_x.data);
   p.topk_idx = a.topk_idx.data;
   p.topk_scores = a.topk_scores.data;
   p.grad_topk_weights = a.grad_topk_weights.data;
@@ -47,10 +47,18 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.splits = splits;
 
   auto kernel = fb::fused_backward_sm90<Cfg, P>;
-  if (Status s = cuda_status(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-      s != Status::kSuccess)
-    return s;
+  // The shared-memory opt-in is per device and sticks: set it once per device.
+  static std::atomic<uint64_t> smem_set{0};
+  int device = 0;
+  if (Status s = cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(smem_set.load(std::memory_order_acquire) & bit)) {
+    if (Status s = cuda_status(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+        s != Status::kSuccess)
+      return s;
+    smem_set.fetch_or(bit, std::memory_order_release);
+  }
   dim3 grid(unsigned(H / Cfg::kTileH), unsigned(splits));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return last_launch_status();
