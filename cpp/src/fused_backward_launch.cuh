@@ -28,9 +28,12 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
   auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{});
 
-  using P = fb::Params<decltype(tma_x), decltype(tma_w)>;
-  P p{tma_x, tma_w};
-  p.grad_x = reinterpret_cast<__nv_bfloat16*>(a.grad_x.data);
+  Tensor mGX = make_tensor(make_gmem_ptr(reinterpret_cast<Elem*>(a.grad_x.data)),
+                           make_shape(int(H), int(T)), make_stride(_1{}, H));
+  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{}(_, _, 0));
+
+  using P = fb::Params<decltype(tma_x), decltype(tma_w), decltype(tma_gx)>;
+  P p{tma_x, tma_w, tma_gx};
   p.topk_idx = a.topk_idx.data;
   p.topk_scores = a.topk_scores.data;
   p.grad_topk_weights = a.grad_topk_weights.data;

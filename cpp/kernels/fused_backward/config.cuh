@@ -18,14 +18,13 @@ namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <int kExperts_, int kTopK_, int kStagesX_ = 3, int kStagesG_ = 2>
+template <int kExperts_, int kTopK_, int kStages_ = 2>
 struct Config {
   static constexpr int kExperts = kExperts_;
   static constexpr int kTopK = kTopK_;
   static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup in dgrad
   static constexpr int kTileH = 128;  // hidden columns per CTA: 64 per warpgroup in wgrad
-  static constexpr int kStagesX = kStagesX_;  // x tiles in flight: the bytes that hide HBM latency
-  static constexpr int kStagesG = kStagesG_;  // G tiles: built just ahead of use
+  static constexpr int kStages = kStages_;
   static constexpr int kConsumers = 2;  // consumer warpgroups
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
@@ -42,21 +41,30 @@ struct Config {
   using TileT = Int<kTileT>;
   using TileH = Int<kTileH>;
   using Experts = Int<kExperts>;
+  using Stages = Int<kStages>;
 
   // (t, e, stage): K-major for dgrad's A.
   using SmemLayoutG = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Elem>{},
-                                             Shape<TileT, Experts, Int<kStagesG>>{}));
+                                             Shape<TileT, Experts, Stages>{}));
   // (e, t, stage): the same bytes, as wgrad's MN-major B.
   using SmemLayoutGt = decltype(composition(
-      SmemLayoutG{}, make_layout(Shape<Experts, TileT, Int<kStagesG>>{},
+      SmemLayoutG{}, make_layout(Shape<Experts, TileT, Stages>{},
                                  make_stride(TileT{}, _1{}, Int<kTileT * kExperts>{}))));
   // (h, t, stage): x tile, h contiguous; wgrad's MN-major A.
   // Atoms ordered t-first so that a TMA box is 64 h × kTileT t.
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                             Shape<TileH, TileT, Int<kStagesX>>{}, Step<_2, _1, _3>{}));
+                                             Shape<TileH, TileT, Stages>{}, Step<_2, _1, _3>{}));
   // (h, e): the CTA's slice of w, h contiguous; dgrad's MN-major B.
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                              Shape<TileH, Experts>{}, Step<_2, _1>{}));
+  // (h, t in half, half): grad_x staging for the TMA store, one half per consumer warpgroup.
+  using SmemLayoutGX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                              Shape<TileH, Int<kTileT / 2>, _2>{},
+                                              Step<_2, _1, _3>{}));
+  // (t, h): the staging seen as dgrad's accumulator tile.
+  using SmemLayoutGXt = decltype(composition(
+      SmemLayoutGX{}, make_layout(Shape<TileT, TileH>{}, make_stride(TileH{}, _1{}))));
+
   using MmaDgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, TileH, _16>, GMMA::Major::K,
                                  GMMA::Major::MN>(),
@@ -73,10 +81,9 @@ struct Config {
     alignas(1024) Elem x[cosize_v<SmemLayoutX>];
     alignas(1024) Elem g[cosize_v<SmemLayoutG>];
     alignas(1024) Elem w[cosize_v<SmemLayoutW>];
-    alignas(8) uint64_t x_full[kStagesX];   // x landed (TMA)
-    alignas(8) uint64_t x_empty[kStagesX];  // wgrad done with it
-    alignas(8) uint64_t g_full[kStagesG];   // G built (producer threads)
-    alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
+    alignas(1024) Elem gx[cosize_v<SmemLayoutGX>];
+    alignas(8) uint64_t full[kStages];   // x landed (TMA) and G built (producer threads)
+    alignas(8) uint64_t empty[kStages];  // both GEMMs of the tile done
     alignas(8) uint64_t w_full;
     int last_split;  // this CTA reduces grad_w over the token splits
   };

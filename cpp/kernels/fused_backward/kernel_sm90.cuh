@@ -1,11 +1,9 @@
 // The fused backward kernel (sm90a): routing gradient → dgrad and wgrad in one pass over x.
 //
 // Warp roles (three warpgroups, one CTA per SM):
-//   producer   (warpgroup 0): TMA of w once and of x per tile, kStagesX - 1 tiles ahead;
-//              builds G per tile.
-//   consumers  (warpgroups 1, 2): per tile, 64 tokens each of dgrad into registers → bf16 →
-//              grad_x; 64 hidden columns each of wgrad, accumulated in registers over the
-//              CTA's token range. The wgrad batch runs on while dgrad's result is stored.
+//   producer   (warpgroup 0): TMA of w once and of x per tile; builds G per tile.
+//   consumers  (warpgroups 1, 2): per tile, dgrad into registers → bf16 → TMA store of grad_x;
+//              wgrad accumulated in registers over the CTA's token range.
 // After the range, each CTA writes its grad_w partial; the last CTA of an h-slice (ticket in
 // global memory) sums the partials in split order, so grad_w is bitwise deterministic.
 #pragma once
@@ -14,7 +12,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
-#include <cuda_bf16.h>
 
 #include "kernels/fused_backward/config.cuh"
 #include "kernels/fused_backward/routing_grad_tile.cuh"
@@ -23,17 +20,17 @@ namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <class TmaX, class TmaW>
+template <class TmaX, class TmaW, class TmaGX>
 struct Params {
-  TmaX tma_x;  // x as (H, T)
-  TmaW tma_w;  // w as (H, E)
+  TmaX tma_x;    // x as (H, T)
+  TmaW tma_w;    // w as (H, E)
+  TmaGX tma_gx;  // grad_x as (H, T)
   const int32_t* topk_idx = nullptr;
   const float* topk_scores = nullptr;
   const float* grad_topk_weights = nullptr;
-  __nv_bfloat16* grad_x = nullptr;  // [T, H]
-  float* grad_w = nullptr;          // [E, H]
-  float* partials = nullptr;        // [splits, E, H] when splits > 1
-  int* tickets = nullptr;           // [H / kTileH], zero between launches
+  float* grad_w = nullptr;    // [E, H]
+  float* partials = nullptr;  // [splits, E, H] when splits > 1
+  int* tickets = nullptr;     // [H / kTileH], zero between launches
   int64_t tokens = 0;
   int hidden = 0;
   float scale = 1.0f;
@@ -45,15 +42,16 @@ struct Params {
 };
 
 // Named barriers (0 is __syncthreads).
-enum : uint32_t { kBarProducer = 1, kBarConsumers = 2 };
+enum : uint32_t { kBarProducer = 1, kBarConsumers = 2, kBarStore0 = 3 };
 
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_constant__ const P p) {
+  using Elem = typename Cfg::Elem;
   using Storage = typename Cfg::SharedStorage;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using EmptyBarrier = cutlass::arch::ClusterBarrier;
   constexpr int kTileT = Cfg::kTileT, kTileH = Cfg::kTileH, kExperts = Cfg::kExperts;
-  constexpr int kStagesX = Cfg::kStagesX, kStagesG = Cfg::kStagesG;
+  constexpr int kStages = Cfg::kStages;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>(smem_raw);
@@ -69,15 +67,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.w), typename Cfg::SmemLayoutW{});    // (h, e)
+  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});    // (h, t/2, 2)
+  Tensor sGXt = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGXt{});  // (t, h)
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStagesX; ++s) {
-      FullBarrier::init(&smem.x_full[s], 1);
-      EmptyBarrier::init(&smem.x_empty[s], 128 * Cfg::kConsumers);
-    }
-    for (int s = 0; s < kStagesG; ++s) {
-      EmptyBarrier::init(&smem.g_full[s], 128);
-      EmptyBarrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
+    for (int s = 0; s < kStages; ++s) {
+      FullBarrier::init(&smem.full[s], 128 + 1);  // producer threads + the TMA's expect-tx
+      EmptyBarrier::init(&smem.empty[s], 128 * Cfg::kConsumers);
     }
     FullBarrier::init(&smem.w_full, 1);
     cutlass::arch::fence_barrier_init();
@@ -88,69 +84,75 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     const int thread = threadIdx.x;
-    Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));                // (H, T)
+    Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));          // (H, T)
     Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));  // (h, t, tile)
     auto [tXgX, tXsX] = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
                                       group_modes<0, 2>(gX));  // (TMA, tile), (TMA, stage)
-    // x of tile n goes to stage n % kStagesX once wgrad has freed it.
-    auto load_x = [&](int n) {
-      const int s = n % kStagesX;
-      EmptyBarrier::wait(&smem.x_empty[s], ((n / kStagesX) & 1) ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.x_full[s], Cfg::kXBytes);
-      copy(p.tma_x.with(smem.x_full[s]), tXgX(_, tile_begin + n), tXsX(_, s));
-    };
     if (thread == 0) {
-      Tensor mW = p.tma_w.get_tma_tensor(make_shape(p.hidden, kExperts));                 // (H, E)
+      Tensor mW = p.tma_w.get_tma_tensor(make_shape(p.hidden, kExperts));           // (H, E)
       Tensor gW = local_tile(mW, Shape<Int<kTileH>, Int<kExperts>>{}, make_coord(hc, 0));  // (h, e)
       auto [tWgW, tWsW] = tma_partition(p.tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
                                         group_modes<0, 2>(gW));
       FullBarrier::arrive_and_expect_tx(&smem.w_full, Cfg::kWBytes);
       copy(p.tma_w.with(smem.w_full), tWgW, tWsW);
-      for (int n = 0; n < min(num_tiles, kStagesX - 1); ++n) load_x(n);
     }
     TokenRouting<Cfg::kTopK> next;
-    auto load_routing = [&](int n) {
-      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                int64_t(tile_begin + n) * kTileT + thread, p.tokens);
+    auto load = [&](int tile) {
+      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights, int64_t(tile) * kTileT + thread,
+                p.tokens);
     };
-    if (num_tiles > 0) load_routing(0);
+    if (num_tiles > 0) load(tile_begin);
     for (int n = 0; n < num_tiles; ++n) {
-      const int s = n % kStagesG;
+      const int s = n % kStages;
+      const uint32_t phase = (n / kStages) & 1;
       const TokenRouting<Cfg::kTopK> cur = next;
-      if (n + 1 < num_tiles) load_routing(n + 1);  // in flight while we wait
-      EmptyBarrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
+      if (n + 1 < num_tiles) load(tile_begin + n + 1);  // in flight while we wait
+      EmptyBarrier::wait(&smem.empty[s], phase ^ 1);
+      if (thread == 0) {
+        FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kXBytes);
+        copy(p.tma_x.with(smem.full[s]), tXgX(_, tile_begin + n), tXsX(_, s));
+      }
       build_routing_grad_tile<kTileT, kExperts>(sG(_, _, s), thread, cur, p.scale, p.norm,
                                                 kBarProducer);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
-      EmptyBarrier::arrive(&smem.g_full[s]);
-      if (thread == 0 && n + kStagesX - 1 < num_tiles) load_x(n + kStagesX - 1);
+      FullBarrier::arrive(&smem.full[s]);
     }
   } else {
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int ct = threadIdx.x - 128;  // consumer thread
+    const int wg = ct / 128;           // consumer warpgroup
     typename Cfg::MmaDgrad mma_d;
     typename Cfg::MmaWgrad mma_w;
     auto thr_d = mma_d.get_thread_slice(ct);
     auto thr_w = mma_w.get_thread_slice(ct);
 
-    Tensor tDrG = thr_d.make_fragment_A(thr_d.partition_A(sG));     // (MMA, 1, E/16, stage)
-    Tensor tDrW = thr_d.make_fragment_B(thr_d.partition_B(sW));     // (MMA, 1, E/16)
-    Tensor tWrX = thr_w.make_fragment_A(thr_w.partition_A(sX));     // (MMA, 1, T/16, stage)
-    Tensor tWrGt = thr_w.make_fragment_B(thr_w.partition_B(sGt));   // (MMA, 1, T/16, stage)
+    Tensor tDsG = thr_d.partition_A(sG);    // (MMA, MMA_M, MMA_K, stage)
+    Tensor tDsW = thr_d.partition_B(sW);    // (MMA, MMA_N, MMA_K)
+    Tensor tWsX = thr_w.partition_A(sX);    // (MMA, MMA_M, MMA_K, stage)
+    Tensor tWsGt = thr_w.partition_B(sGt);  // (MMA, MMA_N, MMA_K, stage)
+    Tensor tDrG = thr_d.make_fragment_A(tDsG);
+    Tensor tDrW = thr_d.make_fragment_B(tDsW);
+    Tensor tWrX = thr_w.make_fragment_A(tWsX);
+    Tensor tWrGt = thr_w.make_fragment_B(tWsGt);
+
     Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileT>, Int<kTileH>>{});    // (t, h)
     Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
-    // (t, h) of each dgrad accumulator in the tile; elements 2i, 2i+1 are adjacent in h.
-    Tensor cD = thr_d.partition_C(make_identity_tensor(Shape<Int<kTileT>, Int<kTileH>>{}));
+    Tensor tDsGX = thr_d.partition_C(sGXt);  // this thread's (t, h) staging slots
     clear(acc_w);
 
-    const int64_t H = p.hidden;
-    const int h0 = hc * kTileH;
+    // grad_x store: (TMA, half) ← staging, (TMA, 2·tile + half) → global.
+    Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));
+    Tensor gGX = local_tile(mGX, Shape<Int<kTileH>, Int<kTileT / 2>>{}, make_coord(hc, _));
+    auto [tSgGX, tSsGX] = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGX),
+                                        group_modes<0, 2>(gGX));
+    const bool store_leader = (ct % 128) == 0;
+
     FullBarrier::wait(&smem.w_full, 0);
     for (int n = 0; n < num_tiles; ++n) {
-      const int sx = n % kStagesX, sg = n % kStagesG;
-      EmptyBarrier::wait(&smem.g_full[sg], (n / kStagesG) & 1);
-      FullBarrier::wait(&smem.x_full[sx], (n / kStagesX) & 1);
+      const int s = n % kStages;
+      const uint32_t phase = (n / kStages) & 1;
+      FullBarrier::wait(&smem.full[s], phase);
 
       warpgroup_fence_operand(acc_d);
       warpgroup_fence_operand(acc_w);
@@ -158,34 +160,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       mma_d.accumulate_ = GMMA::ScaleOut::Zero;
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tDrG); ++k) {
-        gemm(mma_d, tDrG(_, _, k, sg), tDrW(_, _, k), acc_d);
+        gemm(mma_d, tDrG(_, _, k, s), tDrW(_, _, k), acc_d);
         mma_d.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       CUTE_UNROLL
-      for (int k = 0; k < size<2>(tWrX); ++k)
-        gemm(mma_w, tWrX(_, _, k, sx), tWrGt(_, _, k, sg), acc_w);
+      for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, s), tWrGt(_, _, k, s), acc_w);
       warpgroup_commit_batch();
 
-      // dgrad done: store grad_x (bf16 pairs) while wgrad runs on.
+      // dgrad done: stage grad_x while wgrad runs on.
       warpgroup_wait<1>();
       warpgroup_fence_operand(acc_d);
-      const int64_t t0 = int64_t(tile_begin + n) * kTileT;
+      if (store_leader) tma_store_wait<0>();  // the staging's previous store has read it
+      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+      Tensor tDrGX = make_fragment_like<Elem>(acc_d);
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_d); i += 2) {
-        const int64_t t = t0 + get<0>(cD(i));
-        if (t < p.tokens)
-          *reinterpret_cast<__nv_bfloat162*>(p.grad_x + t * H + h0 + get<1>(cD(i))) =
-              __floats2bfloat162_rn(acc_d(i), acc_d(i + 1));
+      for (int i = 0; i < size(acc_d); ++i) tDrGX(i) = Elem(acc_d(i));
+      copy(AutoVectorizingCopy{}, tDrGX, tDsGX);  // bf16 pairs: adjacent h
+      cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
+      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+      if (store_leader) {
+        copy(p.tma_gx, tSsGX(_, wg), tSgGX(_, 2 * (tile_begin + n) + wg));
+        tma_store_arrive();
       }
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
-      EmptyBarrier::arrive(&smem.x_empty[sx]);
-      EmptyBarrier::arrive(&smem.g_empty[sg]);
+      EmptyBarrier::arrive(&smem.empty[s]);
     }
+    if (store_leader) tma_store_wait<0>();
 
     // ---------------------------------------------------------------- grad_w
+    const int64_t H = p.hidden;
+    const int h0 = hc * kTileH;
     auto view = [&](float* base) {  // (h, e) of this CTA's slice
       return make_tensor(make_gmem_ptr(base + h0),
                          make_layout(Shape<Int<kTileH>, Int<kExperts>>{}, make_stride(_1{}, H)));
