@@ -678,9 +678,9 @@ fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Summary) ->
         })
         .collect();
     format!(
-        "{{\"device\": {}, \"method\": {},\n \"backward\": {{\"cases\": [\n  {}\n ],\n \
+        "{{\"device\": {}, \"method\": {}, \"pass\": \"backward\",\n \"cases\": [\n  {}\n ],\n \
          \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
-         \"mean_unfused_us\": {}, \"mean_precise_ratio\": {}}}}}\n",
+         \"mean_unfused_us\": {}, \"mean_precise_ratio\": {}}}\n",
         json_str(device),
         json_str(&method),
         rows.join(",\n  "),

@@ -18,6 +18,8 @@ use moe_routing::{
 
 const GRAD_X_TOL: f64 = 1e-2;
 const GRAD_W_TOL: f64 = 5e-3;
+const PRECISE_GRAD_X_TOL: f64 = 4e-3;
+const PRECISE_GRAD_W_TOL: f64 = 1e-5;
 
 type Test = (&'static str, fn(&Arc<CudaStream>));
 
@@ -213,20 +215,27 @@ fn gpu_backward(
     }
 }
 
-/// Runs forward then backward on the GPU and checks both against the reference; returns
-/// (near-tie rows, grad_x error, grad_w error) of the last backward variant.
+/// Worst backward errors of one precision mode over accumulate on and off.
+#[derive(Clone, Copy, Default)]
+struct Worst {
+    grad_x: f64,
+    grad_w: f64,
+}
+
+/// Runs forward then backward on the GPU and checks both against the reference; returns the
+/// worst errors of the default and of the precise mode.
 fn check_case(
     s: &Arc<CudaStream>,
     cfg: &RouterConfig,
     tokens: usize,
     seed: u64,
     label: &str,
-) -> (usize, f64, f64, f64) {
+) -> [Worst; 2] {
     let mut rng = Rng::new(seed);
     let router = Router::new(*cfg).unwrap();
     let inp = Inputs::random(cfg, tokens, &mut rng);
     let fwd = gpu_forward(s, &router, tokens, &inp);
-    let (ties, fwd_err) = check_forward(cfg, tokens, &inp, &fwd, label);
+    check_forward(cfg, tokens, &inp, &fwd, label);
     let k = cfg.num_experts_per_tok;
     let grad_out = random_grad(tokens * k, &mut rng);
     let want = reference::backward(
@@ -238,8 +247,16 @@ fn check_case(
         &fwd.scores[..tokens * k],
         &grad_out,
     );
-    let mut worst = (0.0f64, 0.0f64);
-    for precision in [Precision::Default, Precision::Precise] {
+    let mut worst = [Worst::default(); 2];
+    for (mode, precision) in [Precision::Default, Precision::Precise]
+        .into_iter()
+        .enumerate()
+    {
+        // Precise mode: fp32-accurate sums, so only grad_x's bf16 output rounding remains.
+        let (tol_x, tol_w) = match precision {
+            Precision::Default => (GRAD_X_TOL, GRAD_W_TOL),
+            Precision::Precise => (PRECISE_GRAD_X_TOL, PRECISE_GRAD_W_TOL),
+        };
         for accumulate in [false, true] {
             let eh = cfg.n_routed_experts * cfg.hidden_size;
             let init: Vec<f32> = (0..eh).map(|_| rng.uniform()).collect();
@@ -270,17 +287,18 @@ fn check_case(
             let ex = reference::rel_err(&got.grad_x, &want.grad_x);
             let ew = reference::rel_err(&got.grad_w, &want_w);
             assert!(
-                ex <= GRAD_X_TOL,
+                ex <= tol_x,
                 "{label} {opts:?}: grad_x err {ex:e} (seed {seed})"
             );
             assert!(
-                ew <= GRAD_W_TOL,
+                ew <= tol_w,
                 "{label} {opts:?}: grad_w err {ew:e} (seed {seed})"
             );
-            worst = (worst.0.max(ex), worst.1.max(ew));
+            worst[mode].grad_x = worst[mode].grad_x.max(ex);
+            worst[mode].grad_w = worst[mode].grad_w.max(ew);
         }
     }
-    (ties, fwd_err, worst.0, worst.1)
+    worst
 }
 
 fn small_configs() -> Vec<(RouterConfig, usize)> {
@@ -616,10 +634,10 @@ fn suite_forward(s: &Arc<CudaStream>) {
 fn suite_backward(s: &Arc<CudaStream>) {
     for case in suite_cases() {
         let seed = fresh_seed();
-        let (_, _, ex, ew) = check_case(s, &case.config, case.tokens, seed, &case.name);
+        let [d, p] = check_case(s, &case.config, case.tokens, seed, &case.name);
         println!(
-            "  backward {:<14} max rel err grad_x {ex:.2e}  grad_w {ew:.2e}  (4 variants)",
-            case.name
+            "  backward {:<14} rel err default: grad_x {:.2e} grad_w {:.2e} | precise: grad_x {:.2e} grad_w {:.2e}",
+            case.name, d.grad_x, d.grad_w, p.grad_x, p.grad_w
         );
     }
 }
