@@ -33,6 +33,7 @@ fn main() {
             "invalid_arguments_touch_nothing",
             invalid_arguments_touch_nothing,
         ),
+        ("randomized_equivalence", randomized_equivalence),
         ("suite_forward", suite_forward),
         ("suite_backward", suite_backward),
     ];
@@ -639,5 +640,45 @@ fn suite_backward(s: &Arc<CudaStream>) {
             "  backward {:<14} rel err default: grad_x {:.2e} grad_w {:.2e} | precise: grad_x {:.2e} grad_w {:.2e}",
             case.name, d.grad_x, d.grad_w, p.grad_x, p.grad_w
         );
+    }
+}
+
+/// Random shapes within the supported bounds, GPU against the CPU reference: forward indices,
+/// both precisions, accumulate on and off. The seed of a failing case is in its message.
+fn randomized_equivalence(s: &Arc<CudaStream>) {
+    let base_seed = fresh_seed();
+    let mut rng = Rng::new(base_seed);
+    let shapes = [
+        (5120, 160),
+        (7168, 256),
+        (2048, 64),
+        (1024, 128),
+        (256, 32),
+        (72, 512),
+    ];
+    for case in 0..24 {
+        let (hidden_size, n_routed_experts) = shapes[rng.below(shapes.len())];
+        // Groups of at least 2 experts that divide E.
+        let groups: Vec<usize> = (1..=n_routed_experts)
+            .filter(|g| n_routed_experts % g == 0 && (*g == 1 || n_routed_experts / g >= 2))
+            .filter(|g| *g <= 64)
+            .collect();
+        let n_group = groups[rng.below(groups.len())];
+        let topk_group = 1 + rng.below(n_group);
+        let candidates = topk_group * (n_routed_experts / n_group);
+        let num_experts_per_tok = 1 + rng.below(candidates.min(16));
+        let cfg = RouterConfig {
+            hidden_size,
+            n_routed_experts,
+            num_experts_per_tok,
+            n_group,
+            topk_group,
+            routed_scaling_factor: [1.0, 2.5, 0.5][rng.below(3)],
+            norm_topk_prob: rng.below(2) == 1,
+        };
+        let tokens = [1, 7, 127, 129, 1 + rng.below(1500)][case % 5];
+        let seed = rng.next_u64();
+        let label = format!("random case {case} {cfg:?} T={tokens} seed {seed} (base {base_seed})");
+        check_case(s, &cfg, tokens, seed, &label);
     }
 }

@@ -121,3 +121,60 @@ fn workspace_size_grows_with_tokens_and_is_zero_for_none() {
     assert!(r.backward_workspace_bytes(4096) >= r.backward_workspace_bytes(128));
     assert_eq!(r.backward_workspace_bytes(4096) % 256, 0);
 }
+
+/// Property test over the validation layer: random (often invalid) configs never panic, and a
+/// config is accepted exactly when it satisfies the documented rules.
+#[test]
+fn random_configs_are_accepted_exactly_when_valid() {
+    let mut rng = moe_routing::testing::Rng::new(0x5EED_CAFE);
+    let pick = |rng: &mut moe_routing::testing::Rng, choices: &[usize]| -> usize {
+        choices[rng.below(choices.len())]
+    };
+    let mut accepted = 0;
+    for _ in 0..20_000 {
+        let cfg = RouterConfig {
+            hidden_size: pick(
+                &mut rng,
+                &[0, 1, 7, 8, 64, 5120, 5124, 7168, 65536, 65544, usize::MAX],
+            ),
+            n_routed_experts: pick(&mut rng, &[0, 1, 2, 8, 64, 160, 256, 512, 513, 1024]),
+            num_experts_per_tok: pick(&mut rng, &[0, 1, 2, 6, 8, 16, 17, 64]),
+            n_group: pick(&mut rng, &[0, 1, 2, 3, 4, 8, 16, 32, 160, 512]),
+            topk_group: pick(&mut rng, &[0, 1, 2, 3, 4, 8, 16, 17]),
+            routed_scaling_factor: [1.0, 2.5, -1.0, 0.0, f32::NAN, f32::INFINITY][rng.below(6)],
+            norm_topk_prob: rng.below(2) == 1,
+        };
+        let (h, e, k, g, tg) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+        );
+        let valid = h > 0
+            && h % 8 == 0
+            && h <= 65536
+            && (1..=512).contains(&e)
+            && (1..=16).contains(&k)
+            && g >= 1
+            && e % g == 0
+            && (1..=g).contains(&tg)
+            && (g == 1 || e / g >= 2)
+            && k <= tg * (e / g)
+            && cfg.routed_scaling_factor.is_finite();
+        match Router::new(cfg) {
+            Ok(_) => {
+                assert!(valid, "accepted an invalid config: {cfg:?}");
+                accepted += 1;
+            }
+            Err(err) => {
+                assert!(!valid, "rejected a valid config: {cfg:?}: {err}");
+                assert_eq!(err.kind, Status::InvalidConfig);
+            }
+        }
+    }
+    assert!(
+        accepted > 100,
+        "the generator should produce valid configs too ({accepted})"
+    );
+}
