@@ -30,12 +30,8 @@ __global__ void routing_grad_dense(BackwardParams p) {
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (t >= p.tokens) return;
-  const bool active = lane < p.top_k;
-  const int64_t o = t * p.top_k + lane;
-  float s = active ? p.topk_scores[o] : 0.0f;
-  float g = active ? p.grad_topk_weights[o] : 0.0f;
-  int e = active ? p.topk_idx[o] : -1;
-  float gl = routing_grad_lane(s, g, active, p.scale, p.norm);
+  const auto [e, gl] = load_routing_grad_lane(p.topk_idx, p.topk_scores, p.grad_topk_weights, t,
+                                              p.top_k, p.scale, p.norm);
   float* row = p.dense_grad + t * p.experts;
   for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
   __syncwarp();
@@ -57,12 +53,8 @@ __global__ void __launch_bounds__(kGradXThreads) grad_x_sparse(BackwardParams p)
   const int64_t t = blockIdx.x;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const bool active = lane < p.top_k;
-    const int64_t o = t * p.top_k + lane;
-    float s = active ? p.topk_scores[o] : 0.0f;
-    float g = active ? p.grad_topk_weights[o] : 0.0f;
-    int e = active ? p.topk_idx[o] : -1;
-    float gl = routing_grad_lane(s, g, active, p.scale, p.norm);
+    const auto [e, gl] = load_routing_grad_lane(p.topk_idx, p.topk_scores, p.grad_topk_weights,
+                                                t, p.top_k, p.scale, p.norm);
     gl_s[lane] = (e >= 0 && e < p.experts) ? gl : 0.0f;
     idx_s[lane] = (e >= 0 && e < p.experts) ? e : 0;
   }

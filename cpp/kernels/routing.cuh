@@ -56,4 +56,22 @@ __device__ __forceinline__ float routing_grad_lane(float s, float g, bool active
   return active ? grad_s * s * (1.0f - s) : 0.0f;
 }
 
+// Lane k < K of a warp loads (index, score, grad) of token t and gets its expert and
+// grad_logit; other lanes get expert -1 and 0. Called by all 32 lanes.
+struct LaneRoutingGrad {
+  int expert;
+  float grad_logit;
+};
+
+__device__ __forceinline__ LaneRoutingGrad load_routing_grad_lane(
+    const int32_t* topk_idx, const float* topk_scores, const float* grad_topk_weights, int64_t t,
+    int top_k, float scale, bool norm) {
+  const int lane = threadIdx.x % 32;
+  const bool active = lane < top_k;
+  const int64_t o = t * top_k + lane;
+  const float s = active ? topk_scores[o] : 0.0f;
+  const float g = active ? grad_topk_weights[o] : 0.0f;
+  return {active ? topk_idx[o] : -1, routing_grad_lane(s, g, active, scale, norm)};
+}
+
 }  // namespace moe_routing::kernels

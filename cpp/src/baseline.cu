@@ -16,12 +16,8 @@ __global__ void routing_grad_dense_bf16(const int32_t* topk_idx, const float* to
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (t >= tokens) return;
-  const bool active = lane < top_k;
-  const int64_t o = t * top_k + lane;
-  float s = active ? topk_scores[o] : 0.0f;
-  float g = active ? grad_topk_weights[o] : 0.0f;
-  int e = active ? topk_idx[o] : -1;
-  float gl = routing_grad_lane(s, g, active, scale, norm);
+  const auto [e, gl] = load_routing_grad_lane(topk_idx, topk_scores, grad_topk_weights, t, top_k,
+                                              scale, norm);
   __nv_bfloat16* row = dense + t * experts;
   for (int i = lane; i < experts; i += 32) {
     float v = 0.0f;
