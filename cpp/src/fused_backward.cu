@@ -1,4 +1,6 @@
 // Dispatch of the fused backward: split of the token range over the GPU's SMs.
+#include <atomic>
+
 #include "fused_backward.h"
 #include "launch.h"
 
@@ -21,12 +23,19 @@ Split plan(const RouterConfig& cfg, int64_t tokens, int num_sms) {
   return {int(ceil_div(tiles, per)), int(per)};
 }
 
+// SM count per device, read once: the split (hence the grad_w summation order) depends on it.
 int sm_count(int device) {
+  static std::atomic<int> cached[64] = {};
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
+  if (slot) {
+    if (int n = slot->load(std::memory_order_relaxed); n > 0) return n;
+  }
   int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
     (void)cudaGetLastError();
     return 132;
   }
+  if (slot) slot->store(n, std::memory_order_relaxed);
   return n;
 }
 
