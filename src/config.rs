@@ -42,7 +42,7 @@ impl RouterConfig {
         Status::from_code(status).into_result(|| format!("{self:?}"))
     }
 
-    pub(crate) fn to_ffi(&self) -> Result<ffi::Config, Error> {
+    pub(crate) fn to_ffi(self) -> Result<ffi::Config, Error> {
         let c = |v: usize, name: &str| {
             i64::try_from(v).map_err(|_| Error::invalid_config(format!("{name} = {v} overflows")))
         };

@@ -1,0 +1,163 @@
+/* moe-routing: stable C ABI of the grouped top-k MoE router (DeepSeek-V3 / GLM-4.5 "noaux_tc")
+ * for Hopper (sm_90a). Valid C99 and C++; plain structs and fixed-width integers only.
+ *
+ * Semantics are those of the C++ API in moe_routing/router.h, which this ABI wraps:
+ *
+ *   x            [T, H]  bf16 (as uint16 bits)   activations
+ *   w            [E, H]  bf16 (as uint16 bits)   router weight
+ *   bias         [E]     f32                     expert score correction bias
+ *   topk_idx     [T, K]  i32                     chosen experts, best first
+ *   topk_weights [T, K]  f32                     routing weights (normalized, scaled)
+ *   topk_scores  [T, K]  f32                     sigmoid scores at the chosen experts
+ *   grad_topk_weights [T, K] f32, grad_x [T, H] bf16 bits, grad_w [E, H] f32
+ *
+ * All buffers are device memory of the stream's device, dense row-major; each pointer comes
+ * with its capacity in elements (bytes for the workspace). Every entry point validates its
+ * arguments before launching anything and writes no output when it returns an error.
+ * Calls are asynchronous on `stream` (a cudaStream_t; NULL is the legacy default stream).
+ *
+ * Versioning: MOE_ROUTING_ABI_VERSION changes only when an existing declaration changes
+ * incompatibly. Every struct starts with `struct_size`, which the caller sets to sizeof the
+ * struct as compiled; a struct may grow by fields appended at its end in a later version,
+ * which will keep accepting the sizes of earlier versions. This version accepts exactly the
+ * sizes declared here and answers MOE_ROUTING_INVALID_CONFIG to any other size. Fields named
+ * `reserved` must be zero.
+ *
+ * Backward workspace: moe_routing_backward_workspace_bytes() bytes of device memory, aligned
+ * to 256 bytes, zeroed once when allocated (cudaMemset). The backward leaves it ready for the
+ * next call. Use one workspace per stream that runs backwards concurrently.
+ */
+#ifndef MOE_ROUTING_MOE_ROUTING_H_
+#define MOE_ROUTING_MOE_ROUTING_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MOE_ROUTING_ABI_VERSION 1
+
+/* Version of the library these declarations belong to. */
+#define MOE_ROUTING_VERSION_MAJOR 0
+#define MOE_ROUTING_VERSION_MINOR 1
+#define MOE_ROUTING_VERSION_PATCH 0
+#define MOE_ROUTING_VERSION_STRING "0.1.0"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define MOE_ROUTING_API __attribute__((visibility("default")))
+#else
+#define MOE_ROUTING_API
+#endif
+
+/* Status codes: the values of moe_routing::Status. */
+#define MOE_ROUTING_SUCCESS 0
+#define MOE_ROUTING_INVALID_CONFIG 1   /* config inconsistent, or struct_size, reserved, a 0/1 flag
+                                          or precision out of range */
+#define MOE_ROUTING_INVALID_SHAPE 2    /* token count negative or too large */
+#define MOE_ROUTING_NULL_POINTER 3     /* a required pointer is null */
+#define MOE_ROUTING_MISALIGNED 4       /* a pointer is not aligned as required */
+#define MOE_ROUTING_BUFFER_TOO_SMALL 5 /* a buffer holds fewer elements than the shape needs */
+#define MOE_ROUTING_FOREIGN_POINTER 6  /* not device memory of the stream's device */
+#define MOE_ROUTING_CUDA_ERROR 7       /* the CUDA runtime reported an error (no device, ...) */
+#define MOE_ROUTING_UNSUPPORTED 8      /* valid, but outside what this build supports */
+
+/* Backward precision: the values of moe_routing::Precision. */
+#define MOE_ROUTING_PRECISION_DEFAULT 0 /* routing gradient as bf16 into the tensor cores */
+#define MOE_ROUTING_PRECISION_PRECISE 1 /* fp32-accurate grad_x and grad_w */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef int32_t moe_routing_status;
+
+/* The router's hyper-parameters (moe_routing::RouterConfig). 56 bytes. */
+typedef struct moe_routing_config {
+  uint32_t struct_size;          /* sizeof(moe_routing_config) */
+  int32_t norm_topk_prob;        /* 0 or 1: normalize the selected scores to sum 1 */
+  int64_t hidden_size;           /* H, a multiple of 8 */
+  int64_t n_routed_experts;      /* E */
+  int64_t num_experts_per_tok;   /* K */
+  int64_t n_group;               /* groups of E / n_group experts (1: no grouping) */
+  int64_t topk_group;            /* groups kept per token */
+  float routed_scaling_factor;   /* weights are scaled by this */
+  uint32_t reserved;             /* 0 */
+} moe_routing_config;
+
+/* Forward inputs and outputs (moe_routing::ForwardArgs). 112 bytes. */
+typedef struct moe_routing_forward_args {
+  uint32_t struct_size; /* sizeof(moe_routing_forward_args) */
+  uint32_t reserved;    /* 0 */
+  int64_t tokens;       /* T */
+  const uint16_t* x;
+  int64_t x_len;
+  const uint16_t* w;
+  int64_t w_len;
+  const float* bias;
+  int64_t bias_len;
+  int32_t* topk_idx;
+  int64_t topk_idx_len;
+  float* topk_weights;
+  int64_t topk_weights_len;
+  float* topk_scores;
+  int64_t topk_scores_len;
+} moe_routing_forward_args;
+
+/* Backward inputs and outputs (moe_routing::BackwardArgs). 152 bytes. */
+typedef struct moe_routing_backward_args {
+  uint32_t struct_size;      /* sizeof(moe_routing_backward_args) */
+  int32_t precision;         /* MOE_ROUTING_PRECISION_* */
+  int64_t tokens;            /* T */
+  const uint16_t* x;
+  int64_t x_len;
+  const uint16_t* w;
+  int64_t w_len;
+  const int32_t* topk_idx;   /* from the forward */
+  int64_t topk_idx_len;
+  const float* topk_scores;  /* from the forward */
+  int64_t topk_scores_len;
+  const float* grad_topk_weights;
+  int64_t grad_topk_weights_len;
+  uint16_t* grad_x;          /* bf16 bits */
+  int64_t grad_x_len;
+  float* grad_w;
+  int64_t grad_w_len;
+  void* workspace;           /* zeroed once when allocated; see above */
+  int64_t workspace_bytes;
+  int32_t accumulate_grad_w; /* 0: grad_w = result; 1: grad_w += result */
+  uint32_t reserved;         /* 0 */
+} moe_routing_backward_args;
+
+/* MOE_ROUTING_ABI_VERSION of the library linked. */
+MOE_ROUTING_API int32_t moe_routing_abi_version(void);
+
+/* Version of the library linked, e.g. "0.1.0" (static storage). */
+MOE_ROUTING_API const char* moe_routing_version_string(void);
+
+/* A short English description of a status code (static storage; never NULL). */
+MOE_ROUTING_API const char* moe_routing_status_string(int32_t status);
+
+/* Checks the config alone; needs no GPU. */
+MOE_ROUTING_API int32_t moe_routing_validate_config(const moe_routing_config* config);
+
+/* Bytes of device workspace the backward needs for `tokens` tokens; 0 if the config is NULL
+ * or invalid, or tokens <= 0. Needs no GPU. */
+MOE_ROUTING_API size_t moe_routing_backward_workspace_bytes(const moe_routing_config* config,
+                                                            int64_t tokens);
+
+/* Routes `args->tokens` tokens: fills topk_idx, topk_weights and topk_scores. */
+MOE_ROUTING_API int32_t moe_routing_forward(const moe_routing_config* config,
+                                            const moe_routing_forward_args* args,
+                                            void* stream);
+
+/* Gradients of x and w from the gradient of the routing weights (bias gets none). */
+MOE_ROUTING_API int32_t moe_routing_backward(const moe_routing_config* config,
+                                             const moe_routing_backward_args* args,
+                                             void* stream);
+
+/* Number of CUDA devices visible; 0 where there is no driver or no device. */
+MOE_ROUTING_API int32_t moe_routing_device_count(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOE_ROUTING_MOE_ROUTING_H_ */

@@ -1,0 +1,176 @@
+// The C ABI (moe_routing/moe_routing.h): checks the structs' sizes, converts to the C++ API and
+// keeps every exception on this side. Host code only.
+#include <cstddef>
+#include <type_traits>
+
+#include "moe_routing/moe_routing.h"
+#include "moe_routing/router.h"
+
+namespace {
+
+using moe_routing::Status;
+
+// The layout is the ABI: any change here is a new ABI version.
+static_assert(sizeof(void*) == 8, "the C ABI is defined for 64-bit targets");
+static_assert(sizeof(moe_routing_config) == 56, "moe_routing_config layout");
+static_assert(offsetof(moe_routing_config, hidden_size) == 8, "moe_routing_config layout");
+static_assert(offsetof(moe_routing_config, routed_scaling_factor) == 48,
+              "moe_routing_config layout");
+static_assert(sizeof(moe_routing_forward_args) == 112, "moe_routing_forward_args layout");
+static_assert(offsetof(moe_routing_forward_args, tokens) == 8, "moe_routing_forward_args layout");
+static_assert(offsetof(moe_routing_forward_args, topk_scores_len) == 104,
+              "moe_routing_forward_args layout");
+static_assert(sizeof(moe_routing_backward_args) == 152, "moe_routing_backward_args layout");
+static_assert(offsetof(moe_routing_backward_args, tokens) == 8,
+              "moe_routing_backward_args layout");
+static_assert(offsetof(moe_routing_backward_args, workspace_bytes) == 136,
+              "moe_routing_backward_args layout");
+static_assert(offsetof(moe_routing_backward_args, accumulate_grad_w) == 144,
+              "moe_routing_backward_args layout");
+static_assert(std::is_standard_layout_v<moe_routing_backward_args>, "plain struct");
+
+// The status codes are the C++ Status values.
+static_assert(MOE_ROUTING_SUCCESS == int32_t(Status::kSuccess));
+static_assert(MOE_ROUTING_INVALID_CONFIG == int32_t(Status::kInvalidConfig));
+static_assert(MOE_ROUTING_INVALID_SHAPE == int32_t(Status::kInvalidShape));
+static_assert(MOE_ROUTING_NULL_POINTER == int32_t(Status::kNullPointer));
+static_assert(MOE_ROUTING_MISALIGNED == int32_t(Status::kMisaligned));
+static_assert(MOE_ROUTING_BUFFER_TOO_SMALL == int32_t(Status::kBufferTooSmall));
+static_assert(MOE_ROUTING_FOREIGN_POINTER == int32_t(Status::kForeignPointer));
+static_assert(MOE_ROUTING_CUDA_ERROR == int32_t(Status::kCudaError));
+static_assert(MOE_ROUTING_UNSUPPORTED == int32_t(Status::kUnsupported));
+static_assert(MOE_ROUTING_PRECISION_DEFAULT == int32_t(moe_routing::Precision::kDefault));
+static_assert(MOE_ROUTING_PRECISION_PRECISE == int32_t(moe_routing::Precision::kPrecise));
+
+constexpr int32_t code(Status s) { return static_cast<int32_t>(s); }
+
+// A bool field of the ABI: 0 or 1.
+bool flag(int32_t v, bool* out) {
+  if (v != 0 && v != 1) return false;
+  *out = v == 1;
+  return true;
+}
+
+Status to_config(const moe_routing_config* c, moe_routing::RouterConfig* out) {
+  if (c == nullptr) return Status::kNullPointer;
+  if (c->struct_size != sizeof(moe_routing_config) || c->reserved != 0)
+    return Status::kInvalidConfig;
+  moe_routing::RouterConfig cfg;
+  if (!flag(c->norm_topk_prob, &cfg.norm_topk_prob)) return Status::kInvalidConfig;
+  cfg.hidden_size = c->hidden_size;
+  cfg.n_routed_experts = c->n_routed_experts;
+  cfg.num_experts_per_tok = c->num_experts_per_tok;
+  cfg.n_group = c->n_group;
+  cfg.topk_group = c->topk_group;
+  cfg.routed_scaling_factor = c->routed_scaling_factor;
+  *out = cfg;
+  return Status::kSuccess;
+}
+
+Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* out) {
+  if (a == nullptr) return Status::kNullPointer;
+  if (a->struct_size != sizeof(moe_routing_forward_args) || a->reserved != 0)
+    return Status::kInvalidConfig;
+  moe_routing::ForwardArgs f;
+  f.tokens = a->tokens;
+  f.x = {a->x, a->x_len};
+  f.w = {a->w, a->w_len};
+  f.bias = {a->bias, a->bias_len};
+  f.topk_idx = {a->topk_idx, a->topk_idx_len};
+  f.topk_weights = {a->topk_weights, a->topk_weights_len};
+  f.topk_scores = {a->topk_scores, a->topk_scores_len};
+  *out = f;
+  return Status::kSuccess;
+}
+
+Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs* out) {
+  if (a == nullptr) return Status::kNullPointer;
+  if (a->struct_size != sizeof(moe_routing_backward_args) || a->reserved != 0)
+    return Status::kInvalidConfig;
+  if (a->precision != MOE_ROUTING_PRECISION_DEFAULT &&
+      a->precision != MOE_ROUTING_PRECISION_PRECISE)
+    return Status::kInvalidConfig;
+  moe_routing::BackwardArgs b;
+  if (!flag(a->accumulate_grad_w, &b.accumulate_grad_w)) return Status::kInvalidConfig;
+  b.precision = static_cast<moe_routing::Precision>(a->precision);
+  b.tokens = a->tokens;
+  b.x = {a->x, a->x_len};
+  b.w = {a->w, a->w_len};
+  b.topk_idx = {a->topk_idx, a->topk_idx_len};
+  b.topk_scores = {a->topk_scores, a->topk_scores_len};
+  b.grad_topk_weights = {a->grad_topk_weights, a->grad_topk_weights_len};
+  b.grad_x = {a->grad_x, a->grad_x_len};
+  b.grad_w = {a->grad_w, a->grad_w_len};
+  b.workspace = {static_cast<uint8_t*>(a->workspace), a->workspace_bytes};
+  *out = b;
+  return Status::kSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t moe_routing_abi_version(void) { return MOE_ROUTING_ABI_VERSION; }
+
+const char* moe_routing_version_string(void) { return MOE_ROUTING_VERSION_STRING; }
+
+const char* moe_routing_status_string(int32_t status) {
+  if (status < MOE_ROUTING_SUCCESS || status > MOE_ROUTING_UNSUPPORTED) return "unknown status";
+  return moe_routing::status_string(static_cast<Status>(status));
+}
+
+int32_t moe_routing_validate_config(const moe_routing_config* config) {
+  try {
+    moe_routing::RouterConfig cfg;
+    if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
+    return code(moe_routing::validate_config(cfg));
+  } catch (...) {
+    return code(Status::kCudaError);
+  }
+}
+
+size_t moe_routing_backward_workspace_bytes(const moe_routing_config* config, int64_t tokens) {
+  try {
+    moe_routing::RouterConfig cfg;
+    if (to_config(config, &cfg) != Status::kSuccess) return 0;
+    return moe_routing::backward_workspace_bytes(cfg, tokens);
+  } catch (...) {
+    return 0;
+  }
+}
+
+int32_t moe_routing_forward(const moe_routing_config* config,
+                            const moe_routing_forward_args* args, void* stream) {
+  try {
+    moe_routing::RouterConfig cfg;
+    moe_routing::ForwardArgs fwd;
+    if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
+    if (Status s = to_forward(args, &fwd); s != Status::kSuccess) return code(s);
+    return code(moe_routing::router_forward(cfg, fwd, static_cast<cudaStream_t>(stream)));
+  } catch (...) {
+    return code(Status::kCudaError);
+  }
+}
+
+int32_t moe_routing_backward(const moe_routing_config* config,
+                             const moe_routing_backward_args* args, void* stream) {
+  try {
+    moe_routing::RouterConfig cfg;
+    moe_routing::BackwardArgs bwd;
+    if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
+    if (Status s = to_backward(args, &bwd); s != Status::kSuccess) return code(s);
+    return code(moe_routing::router_backward(cfg, bwd, static_cast<cudaStream_t>(stream)));
+  } catch (...) {
+    return code(Status::kCudaError);
+  }
+}
+
+int32_t moe_routing_device_count(void) {
+  try {
+    return moe_routing::device_count();
+  } catch (...) {
+    return 0;
+  }
+}
+
+}  // extern "C"

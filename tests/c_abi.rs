@@ -1,0 +1,333 @@
+//! The C ABI (`cpp/include/moe_routing/moe_routing.h`), called from Rust through its symbols in
+//! the crate's CUDA archive: layout, version, status strings, config validation and the
+//! argument checks that come before any CUDA call. Needs no GPU.
+//!
+//! Forward and backward calls with well-formed structs reach the CUDA runtime, which answers
+//! `MOE_ROUTING_CUDA_ERROR` without a GPU and checks the buffers on one; those cases are left
+//! to the GPU tests. Every call here returns the same status with or without a GPU.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::mem::{offset_of, size_of};
+use std::ptr::{null, null_mut};
+
+use moe_routing::{RouterConfig, Status};
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Config {
+    struct_size: u32,
+    norm_topk_prob: i32,
+    hidden_size: i64,
+    n_routed_experts: i64,
+    num_experts_per_tok: i64,
+    n_group: i64,
+    topk_group: i64,
+    routed_scaling_factor: f32,
+    reserved: u32,
+}
+
+#[repr(C)]
+struct ForwardArgs {
+    struct_size: u32,
+    reserved: u32,
+    tokens: i64,
+    x: *const u16,
+    x_len: i64,
+    w: *const u16,
+    w_len: i64,
+    bias: *const f32,
+    bias_len: i64,
+    topk_idx: *mut i32,
+    topk_idx_len: i64,
+    topk_weights: *mut f32,
+    topk_weights_len: i64,
+    topk_scores: *mut f32,
+    topk_scores_len: i64,
+}
+
+#[repr(C)]
+struct BackwardArgs {
+    struct_size: u32,
+    precision: i32,
+    tokens: i64,
+    x: *const u16,
+    x_len: i64,
+    w: *const u16,
+    w_len: i64,
+    topk_idx: *const i32,
+    topk_idx_len: i64,
+    topk_scores: *const f32,
+    topk_scores_len: i64,
+    grad_topk_weights: *const f32,
+    grad_topk_weights_len: i64,
+    grad_x: *mut u16,
+    grad_x_len: i64,
+    grad_w: *mut f32,
+    grad_w_len: i64,
+    workspace: *mut c_void,
+    workspace_bytes: i64,
+    accumulate_grad_w: i32,
+    reserved: u32,
+}
+
+extern "C" {
+    fn moe_routing_abi_version() -> i32;
+    fn moe_routing_version_string() -> *const c_char;
+    fn moe_routing_status_string(status: i32) -> *const c_char;
+    fn moe_routing_validate_config(config: *const Config) -> i32;
+    fn moe_routing_backward_workspace_bytes(config: *const Config, tokens: i64) -> usize;
+    fn moe_routing_forward(
+        config: *const Config,
+        args: *const ForwardArgs,
+        stream: *mut c_void,
+    ) -> i32;
+    fn moe_routing_backward(
+        config: *const Config,
+        args: *const BackwardArgs,
+        stream: *mut c_void,
+    ) -> i32;
+    fn moe_routing_device_count() -> i32;
+}
+
+const SUCCESS: i32 = 0;
+const INVALID_CONFIG: i32 = 1;
+const NULL_POINTER: i32 = 3;
+
+fn glm() -> Config {
+    Config {
+        struct_size: size_of::<Config>() as u32,
+        norm_topk_prob: 1,
+        hidden_size: 5120,
+        n_routed_experts: 160,
+        num_experts_per_tok: 8,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+        reserved: 0,
+    }
+}
+
+fn forward_args() -> ForwardArgs {
+    ForwardArgs {
+        struct_size: size_of::<ForwardArgs>() as u32,
+        reserved: 0,
+        tokens: 0,
+        x: null(),
+        x_len: 0,
+        w: null(),
+        w_len: 0,
+        bias: null(),
+        bias_len: 0,
+        topk_idx: null_mut(),
+        topk_idx_len: 0,
+        topk_weights: null_mut(),
+        topk_weights_len: 0,
+        topk_scores: null_mut(),
+        topk_scores_len: 0,
+    }
+}
+
+fn backward_args() -> BackwardArgs {
+    BackwardArgs {
+        struct_size: size_of::<BackwardArgs>() as u32,
+        precision: 0,
+        tokens: 0,
+        x: null(),
+        x_len: 0,
+        w: null(),
+        w_len: 0,
+        topk_idx: null(),
+        topk_idx_len: 0,
+        topk_scores: null(),
+        topk_scores_len: 0,
+        grad_topk_weights: null(),
+        grad_topk_weights_len: 0,
+        grad_x: null_mut(),
+        grad_x_len: 0,
+        grad_w: null_mut(),
+        grad_w_len: 0,
+        workspace: null_mut(),
+        workspace_bytes: 0,
+        accumulate_grad_w: 0,
+        reserved: 0,
+    }
+}
+
+fn text(p: *const c_char) -> String {
+    assert!(!p.is_null());
+    unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+}
+
+fn validate(c: &Config) -> i32 {
+    unsafe { moe_routing_validate_config(c) }
+}
+
+#[test]
+fn layout_matches_the_header() {
+    // The sizes and offsets c_api.cu asserts.
+    assert_eq!(size_of::<Config>(), 56);
+    assert_eq!(offset_of!(Config, hidden_size), 8);
+    assert_eq!(offset_of!(Config, routed_scaling_factor), 48);
+    assert_eq!(size_of::<ForwardArgs>(), 112);
+    assert_eq!(offset_of!(ForwardArgs, topk_scores_len), 104);
+    assert_eq!(size_of::<BackwardArgs>(), 152);
+    assert_eq!(offset_of!(BackwardArgs, workspace_bytes), 136);
+    assert_eq!(offset_of!(BackwardArgs, accumulate_grad_w), 144);
+}
+
+#[test]
+fn version() {
+    assert_eq!(unsafe { moe_routing_abi_version() }, 1);
+    assert_eq!(
+        text(unsafe { moe_routing_version_string() }),
+        env!("CARGO_PKG_VERSION")
+    );
+}
+
+#[test]
+fn status_codes_and_strings() {
+    // The C codes are the crate's `Status` in order, and the C++ `Status` values.
+    let statuses = [
+        (Status::Success, "success"),
+        (Status::InvalidConfig, "invalid router config"),
+        (Status::InvalidShape, "invalid shape"),
+        (Status::NullPointer, "null pointer"),
+        (Status::Misaligned, "misaligned pointer"),
+        (Status::BufferTooSmall, "buffer too small"),
+        (
+            Status::ForeignPointer,
+            "pointer is not device memory of the stream's device",
+        ),
+        (Status::Cuda, "CUDA error"),
+        (Status::Unsupported, "unsupported"),
+    ];
+    for (code, (status, want)) in statuses.into_iter().enumerate() {
+        assert_eq!(status as i32, code as i32);
+        assert_eq!(
+            text(unsafe { moe_routing_status_string(code as i32) }),
+            want
+        );
+    }
+    for code in [-1, 9, i32::MAX, i32::MIN] {
+        assert_eq!(
+            text(unsafe { moe_routing_status_string(code) }),
+            "unknown status"
+        );
+    }
+}
+
+#[test]
+fn config_validation_agrees_with_the_crate() {
+    let c = glm();
+    assert_eq!(validate(&c), SUCCESS);
+    type Edit = fn(&mut Config);
+    let cases: [(&str, Edit); 7] = [
+        ("n_group 7", |c| c.n_group = 7),
+        ("topk_group > n_group", |c| c.topk_group = 9),
+        ("H not a multiple of 8", |c| c.hidden_size = 5124),
+        ("K = 0", |c| c.num_experts_per_tok = 0),
+        ("scale NaN", |c| c.routed_scaling_factor = f32::NAN),
+        ("norm_topk_prob 2", |c| c.norm_topk_prob = 2),
+        ("reserved", |c| c.reserved = 1),
+    ];
+    for (what, edit) in cases {
+        let mut bad = c;
+        edit(&mut bad);
+        assert_eq!(validate(&bad), INVALID_CONFIG, "{what}");
+    }
+    // The crate's config checks give the same answers on the fields both have.
+    for (g, tg) in [(1, 1), (4, 2), (8, 4), (16, 8), (7, 1), (8, 9)] {
+        let rust = RouterConfig::glm45(g, tg);
+        let c = Config {
+            n_group: g as i64,
+            topk_group: tg as i64,
+            ..glm()
+        };
+        let crate_ok = moe_routing::Router::new(rust).is_ok();
+        assert_eq!(
+            validate(&c) == SUCCESS,
+            crate_ok,
+            "n_group {g}, topk_group {tg}"
+        );
+    }
+}
+
+#[test]
+fn struct_size_must_match() {
+    let full = size_of::<Config>() as u32;
+    for size in [0, 8, full - 8, full + 8, u32::MAX] {
+        let c = Config {
+            struct_size: size,
+            ..glm()
+        };
+        assert_eq!(validate(&c), INVALID_CONFIG, "struct_size {size}");
+        assert_eq!(unsafe { moe_routing_backward_workspace_bytes(&c, 256) }, 0);
+    }
+    let c = glm();
+    let mut f = forward_args();
+    f.struct_size -= 8;
+    assert_eq!(
+        unsafe { moe_routing_forward(&c, &f, null_mut()) },
+        INVALID_CONFIG
+    );
+    let mut b = backward_args();
+    b.struct_size += 8;
+    assert_eq!(
+        unsafe { moe_routing_backward(&c, &b, null_mut()) },
+        INVALID_CONFIG
+    );
+}
+
+#[test]
+fn workspace_size() {
+    let c = glm();
+    let bytes = unsafe { moe_routing_backward_workspace_bytes(&c, 256) };
+    // 2 KB of counters, then 256-byte aligned scratch.
+    assert!(bytes > 2048 && bytes % 256 == 0, "{bytes}");
+    assert!(unsafe { moe_routing_backward_workspace_bytes(&c, 4096) } > bytes);
+    assert_eq!(unsafe { moe_routing_backward_workspace_bytes(&c, 0) }, 0);
+    assert_eq!(unsafe { moe_routing_backward_workspace_bytes(&c, -1) }, 0);
+    assert_eq!(
+        unsafe { moe_routing_backward_workspace_bytes(null(), 256) },
+        0
+    );
+    let bad = Config { n_group: 7, ..c };
+    assert_eq!(
+        unsafe { moe_routing_backward_workspace_bytes(&bad, 256) },
+        0
+    );
+}
+
+#[test]
+fn null_and_malformed_arguments_are_rejected_before_cuda() {
+    let c = glm();
+    let (f, b) = (forward_args(), backward_args());
+    unsafe {
+        assert_eq!(moe_routing_validate_config(null()), NULL_POINTER);
+        assert_eq!(moe_routing_forward(&c, null(), null_mut()), NULL_POINTER);
+        assert_eq!(moe_routing_forward(null(), &f, null_mut()), NULL_POINTER);
+        assert_eq!(moe_routing_backward(&c, null(), null_mut()), NULL_POINTER);
+        assert_eq!(moe_routing_backward(null(), &b, null_mut()), NULL_POINTER);
+        // A malformed config is reported before the arguments are looked at.
+        let bad = Config { reserved: 7, ..c };
+        assert_eq!(
+            moe_routing_forward(&bad, null(), null_mut()),
+            INVALID_CONFIG
+        );
+        for (precision, accumulate) in [(2, 0), (-1, 0), (0, 2)] {
+            let b = BackwardArgs {
+                precision,
+                accumulate_grad_w: accumulate,
+                ..backward_args()
+            };
+            assert_eq!(moe_routing_backward(&c, &b, null_mut()), INVALID_CONFIG);
+        }
+    }
+}
+
+#[test]
+fn device_count_agrees_with_the_crate() {
+    let n = unsafe { moe_routing_device_count() };
+    assert!(n >= 0);
+    assert_eq!(n as usize, moe_routing::cuda_device_count());
+}
