@@ -92,6 +92,10 @@ extern "C" {
 const SUCCESS: i32 = 0;
 const INVALID_CONFIG: i32 = 1;
 const NULL_POINTER: i32 = 3;
+const MISALIGNED: i32 = 4;
+const BUFFER_TOO_SMALL: i32 = 5;
+const FOREIGN_POINTER: i32 = 6;
+const CUDA_ERROR: i32 = 7;
 
 fn glm() -> Config {
     Config {
@@ -330,4 +334,151 @@ fn device_count_agrees_with_the_crate() {
     let n = unsafe { moe_routing_device_count() };
     assert!(n >= 0);
     assert_eq!(n as usize, moe_routing::cuda_device_count());
+}
+
+/// One buffer argument of the property test: what the shape needs, and what was passed.
+#[derive(Clone, Copy, Debug)]
+struct Arg {
+    need: i64,
+    align: u64,
+    ptr: u64,
+    len: i64,
+}
+
+impl Arg {
+    /// Random argument for a buffer of `need` elements aligned to `align` bytes: usually
+    /// well-formed, sometimes null, misaligned or short. Addresses point into `host` (host
+    /// memory, never device memory, so the device pass always rejects them) and are never
+    /// dereferenced.
+    fn random(
+        rng: &mut moe_routing::testing::Rng,
+        host: &[u8],
+        need: i64,
+        align: u64,
+        slot: u64,
+    ) -> Self {
+        let base = (host.as_ptr() as u64 + 255) / 256 * 256 + slot * 256;
+        let (ptr, len) = match rng.below(10) {
+            0 => (0, need),
+            1 => (base + 4 * (1 + rng.below(3) as u64) % align.max(8), need),
+            2 => (base, need - 1 - rng.below(4) as i64),
+            _ => (base, need + rng.below(3) as i64),
+        };
+        Self {
+            need,
+            align,
+            ptr,
+            len,
+        }
+    }
+
+    /// The status pass 1 of the validation gives this argument (0: it passes).
+    fn expected(&self) -> i32 {
+        if self.need == 0 {
+            0
+        } else if self.ptr == 0 {
+            NULL_POINTER
+        } else if self.ptr % self.align != 0 {
+            MISALIGNED
+        } else if self.len < self.need {
+            BUFFER_TOO_SMALL
+        } else {
+            0
+        }
+    }
+}
+
+/// Random argument sets through the C ABI: every host-visible error is reported exactly (the
+/// first bad buffer in argument order), and a well-formed set of host addresses never passes
+/// the device check, so nothing is launched.
+#[test]
+fn random_arguments_get_the_first_error_and_never_launch() {
+    let mut rng = moe_routing::testing::Rng::new(0xA11CE);
+    let c = glm();
+    let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+    // Without a GPU the device pass cannot start (CUDA error); with one, the fake addresses
+    // are not device memory (foreign pointer).
+    let device_pass = |status: i32| status == CUDA_ERROR || status == FOREIGN_POINTER;
+    let host = vec![0u8; 16 * 256];
+    for round in 0..4000 {
+        let tokens = [0i64, 1, 7, 129, 3001][rng.below(5)];
+        let t_or_0 = |n: i64| if tokens == 0 { 0 } else { n };
+        if round % 2 == 0 {
+            let a: Vec<Arg> = [
+                (tokens * h, 16),
+                (t_or_0(e * h), 16),
+                (t_or_0(e), 4),
+                (tokens * k, 4),
+                (tokens * k, 4),
+                (tokens * k, 4),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, &(need, align))| Arg::random(&mut rng, &host, need, align, i as u64))
+            .collect();
+            let f = ForwardArgs {
+                tokens,
+                x: a[0].ptr as *const u16,
+                x_len: a[0].len,
+                w: a[1].ptr as *const u16,
+                w_len: a[1].len,
+                bias: a[2].ptr as *const f32,
+                bias_len: a[2].len,
+                topk_idx: a[3].ptr as *mut i32,
+                topk_idx_len: a[3].len,
+                topk_weights: a[4].ptr as *mut f32,
+                topk_weights_len: a[4].len,
+                topk_scores: a[5].ptr as *mut f32,
+                topk_scores_len: a[5].len,
+                ..forward_args()
+            };
+            let got = unsafe { moe_routing_forward(&c, &f, null_mut()) };
+            match a.iter().map(Arg::expected).find(|&s| s != 0) {
+                Some(want) => assert_eq!(got, want, "forward {a:?}"),
+                None if tokens == 0 => assert!(got == SUCCESS || device_pass(got), "{got}"),
+                None => assert!(device_pass(got), "forward {a:?}: {got}"),
+            }
+        } else {
+            let ws = unsafe { moe_routing_backward_workspace_bytes(&c, tokens) } as i64;
+            let a: Vec<Arg> = [
+                (tokens * h, 16),
+                (t_or_0(e * h), 16),
+                (tokens * k, 4),
+                (tokens * k, 4),
+                (tokens * k, 4),
+                (tokens * h, 16),
+                (e * h, 16),
+                (ws, 256),
+            ]
+            .iter()
+            .enumerate()
+            .map(|(i, &(need, align))| Arg::random(&mut rng, &host, need, align, i as u64))
+            .collect();
+            let b = BackwardArgs {
+                tokens,
+                x: a[0].ptr as *const u16,
+                x_len: a[0].len,
+                w: a[1].ptr as *const u16,
+                w_len: a[1].len,
+                topk_idx: a[2].ptr as *const i32,
+                topk_idx_len: a[2].len,
+                topk_scores: a[3].ptr as *const f32,
+                topk_scores_len: a[3].len,
+                grad_topk_weights: a[4].ptr as *const f32,
+                grad_topk_weights_len: a[4].len,
+                grad_x: a[5].ptr as *mut u16,
+                grad_x_len: a[5].len,
+                grad_w: a[6].ptr as *mut f32,
+                grad_w_len: a[6].len,
+                workspace: a[7].ptr as *mut c_void,
+                workspace_bytes: a[7].len,
+                ..backward_args()
+            };
+            let got = unsafe { moe_routing_backward(&c, &b, null_mut()) };
+            match a.iter().map(Arg::expected).find(|&s| s != 0) {
+                Some(want) => assert_eq!(got, want, "backward {a:?}"),
+                None => assert!(device_pass(got), "backward {a:?}: {got}"),
+            }
+        }
+    }
 }

@@ -17,8 +17,8 @@ size_t backward_workspace_bytes(const RouterConfig& cfg, int64_t tokens) {
 
 Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream) {
   int device = 0;
-  if (Status s = detail::stream_device(stream, &device); s != Status::kSuccess) return s;
-  if (Status s = detail::validate_backward(cfg, a, device); s != Status::kSuccess) return s;
+  if (Status s = detail::validate_backward(cfg, a, stream, &device); s != Status::kSuccess)
+    return s;
   detail::DeviceGuard guard(device);
   const int64_t E = cfg.n_routed_experts, H = cfg.hidden_size;
   if (a.tokens == 0) {

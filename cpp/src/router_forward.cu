@@ -7,8 +7,8 @@ namespace moe_routing {
 
 Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_t stream) {
   int device = 0;
-  if (Status s = detail::stream_device(stream, &device); s != Status::kSuccess) return s;
-  if (Status s = detail::validate_forward(cfg, a, device); s != Status::kSuccess) return s;
+  if (Status s = detail::validate_forward(cfg, a, stream, &device); s != Status::kSuccess)
+    return s;
   if (a.tokens == 0) return Status::kSuccess;
   detail::DeviceGuard guard(device);
 

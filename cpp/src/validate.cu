@@ -36,7 +36,9 @@ Status validate_config(const RouterConfig& c) {
 }
 
 namespace detail {
+namespace {
 
+// The device a stream belongs to (the current device for the legacy default stream).
 Status stream_device(cudaStream_t stream, int* device) {
   cudaError_t err = stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device);
   if (err != cudaSuccess) {
@@ -46,25 +48,34 @@ Status stream_device(cudaStream_t stream, int* device) {
   return Status::kSuccess;
 }
 
-Status check_buffer(const void* ptr, int64_t len, int64_t need, size_t elem, size_t align,
-                    int device) {
-  if (need == 0) return Status::kSuccess;
-  if (ptr == nullptr) return Status::kNullPointer;
-  if (reinterpret_cast<uintptr_t>(ptr) % align != 0) return Status::kMisaligned;
-  if (len < need) return Status::kBufferTooSmall;
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return Status::kForeignPointer;
-  }
-  const bool on_device =
-      attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
-  if (!on_device || attr.device != device) return Status::kForeignPointer;
-  (void)elem;
+// One buffer argument: where it is, what it holds, what the shape needs.
+struct Buffer {
+  const void* ptr;
+  int64_t len;    // capacity in elements
+  int64_t need;   // elements the shape needs (0: the buffer is not used)
+  size_t align;   // bytes
+};
+
+// Pass 1: a null pointer passes only when nothing is needed.
+Status check_host(const Buffer& b) {
+  if (b.need == 0) return Status::kSuccess;
+  if (b.ptr == nullptr) return Status::kNullPointer;
+  if (reinterpret_cast<uintptr_t>(b.ptr) % b.align != 0) return Status::kMisaligned;
+  if (b.len < b.need) return Status::kBufferTooSmall;
   return Status::kSuccess;
 }
 
-namespace {
+// Pass 2: device (or managed) memory of `device`.
+Status check_device(const Buffer& b, int device) {
+  if (b.need == 0) return Status::kSuccess;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, b.ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return Status::kForeignPointer;
+  }
+  const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  return on_device && attr.device == device ? Status::kSuccess : Status::kForeignPointer;
+}
 
 // T·H and T·K must fit the 64-bit index space and T the grid.
 Status check_tokens(const RouterConfig& cfg, int64_t tokens) {
@@ -74,45 +85,60 @@ Status check_tokens(const RouterConfig& cfg, int64_t tokens) {
   return Status::kSuccess;
 }
 
-#define MOE_CHECK(expr)                         \
-  do {                                          \
-    Status _s = (expr);                         \
-    if (_s != Status::kSuccess) return _s;      \
+template <size_t N>
+Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int* device) {
+  for (const Buffer& b : buffers)
+    if (Status s = check_host(b); s != Status::kSuccess) return s;
+  if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
+  for (const Buffer& b : buffers)
+    if (Status s = check_device(b, *device); s != Status::kSuccess) return s;
+  return Status::kSuccess;
+}
+
+#define MOE_CHECK(expr)                    \
+  do {                                     \
+    Status _s = (expr);                    \
+    if (_s != Status::kSuccess) return _s; \
   } while (0)
 
 }  // namespace
 
-Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, int device) {
+Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_t stream,
+                        int* device) {
   MOE_CHECK(validate_config(cfg));
   MOE_CHECK(check_tokens(cfg, a.tokens));
   const int64_t T = a.tokens, H = cfg.hidden_size, E = cfg.n_routed_experts,
                 K = cfg.num_experts_per_tok;
-  MOE_CHECK(check_buffer(a.x.data, a.x.len, T * H, 2, 16, device));
-  MOE_CHECK(check_buffer(a.w.data, a.w.len, T ? E * H : 0, 2, 16, device));
-  MOE_CHECK(check_buffer(a.bias.data, a.bias.len, T ? E : 0, 4, 4, device));
-  MOE_CHECK(check_buffer(a.topk_idx.data, a.topk_idx.len, T * K, 4, 4, device));
-  MOE_CHECK(check_buffer(a.topk_weights.data, a.topk_weights.len, T * K, 4, 4, device));
-  MOE_CHECK(check_buffer(a.topk_scores.data, a.topk_scores.len, T * K, 4, 4, device));
-  return Status::kSuccess;
+  const Buffer buffers[] = {
+      {a.x.data, a.x.len, T * H, 16},
+      {a.w.data, a.w.len, T ? E * H : 0, 16},
+      {a.bias.data, a.bias.len, T ? E : 0, 4},
+      {a.topk_idx.data, a.topk_idx.len, T * K, 4},
+      {a.topk_weights.data, a.topk_weights.len, T * K, 4},
+      {a.topk_scores.data, a.topk_scores.len, T * K, 4},
+  };
+  return check_all(buffers, stream, device);
 }
 
-Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, int device) {
+Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream,
+                         int* device) {
   MOE_CHECK(validate_config(cfg));
   MOE_CHECK(check_tokens(cfg, a.tokens));
   if (a.precision != Precision::kDefault && a.precision != Precision::kPrecise)
     return Status::kInvalidConfig;
   const int64_t T = a.tokens, H = cfg.hidden_size, E = cfg.n_routed_experts,
                 K = cfg.num_experts_per_tok;
-  MOE_CHECK(check_buffer(a.x.data, a.x.len, T * H, 2, 16, device));
-  MOE_CHECK(check_buffer(a.w.data, a.w.len, T ? E * H : 0, 2, 16, device));
-  MOE_CHECK(check_buffer(a.topk_idx.data, a.topk_idx.len, T * K, 4, 4, device));
-  MOE_CHECK(check_buffer(a.topk_scores.data, a.topk_scores.len, T * K, 4, 4, device));
-  MOE_CHECK(check_buffer(a.grad_topk_weights.data, a.grad_topk_weights.len, T * K, 4, 4, device));
-  MOE_CHECK(check_buffer(a.grad_x.data, a.grad_x.len, T * H, 2, 16, device));
-  MOE_CHECK(check_buffer(a.grad_w.data, a.grad_w.len, E * H, 4, 16, device));
-  const int64_t ws = int64_t(backward_workspace_bytes(cfg, T));
-  MOE_CHECK(check_buffer(a.workspace.data, a.workspace.len, ws, 1, 256, device));
-  return Status::kSuccess;
+  const Buffer buffers[] = {
+      {a.x.data, a.x.len, T * H, 16},
+      {a.w.data, a.w.len, T ? E * H : 0, 16},
+      {a.topk_idx.data, a.topk_idx.len, T * K, 4},
+      {a.topk_scores.data, a.topk_scores.len, T * K, 4},
+      {a.grad_topk_weights.data, a.grad_topk_weights.len, T * K, 4},
+      {a.grad_x.data, a.grad_x.len, T * H, 16},
+      {a.grad_w.data, a.grad_w.len, E * H, 16},
+      {a.workspace.data, a.workspace.len, int64_t(backward_workspace_bytes(cfg, T)), 256},
+  };
+  return check_all(buffers, stream, device);
 }
 
 DeviceGuard::DeviceGuard(int device) {

@@ -5,16 +5,15 @@
 
 namespace moe_routing::detail {
 
-// The device a stream belongs to (the current device for the legacy default stream).
-Status stream_device(cudaStream_t stream, int* device);
-
-// `ptr` must be device (or managed) memory of `device`, aligned to `align` bytes, and hold at
-// least `need` elements of `elem` bytes. A null pointer passes only when `need` is 0.
-Status check_buffer(const void* ptr, int64_t len, int64_t need, size_t elem, size_t align,
-                    int device);
-
-Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, int device);
-Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, int device);
+// Validation runs in two passes so that every argument error a host can see is reported, the
+// same with or without a GPU, before the CUDA runtime is asked anything:
+//   1. config, token count, and per buffer: null, alignment, capacity (in argument order);
+//   2. the stream's device, and per buffer: device (or managed) memory of that device.
+// On success `device` holds the stream's device. Nothing launches before both pass.
+Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_t stream,
+                        int* device);
+Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream,
+                         int* device);
 
 // Makes `device` current for the scope of a launch and restores the caller's device after.
 class DeviceGuard {
