@@ -34,6 +34,7 @@ fn main() {
             invalid_arguments_touch_nothing,
         ),
         ("randomized_equivalence", randomized_equivalence),
+        ("extreme_inputs", extreme_inputs),
         ("suite_forward", suite_forward),
         ("suite_backward", suite_backward),
     ];
@@ -680,5 +681,115 @@ fn randomized_equivalence(s: &Arc<CudaStream>) {
         let seed = rng.next_u64();
         let label = format!("random case {case} {cfg:?} T={tokens} seed {seed} (base {base_seed})");
         check_case(s, &cfg, tokens, seed, &label);
+    }
+}
+
+/// NaN and Inf in x, w, bias and the incoming gradient. Selection: a NaN score ranks below
+/// every number and a token whose scores are all NaN still gets K distinct experts; indices
+/// must equal the reference's (near ties aside). Weights: equal where the reference's are
+/// finite, NaN where they are NaN. A NaN gradient makes exactly the reference's grad_x rows
+/// and grad_w rows NaN.
+fn extreme_inputs(s: &Arc<CudaStream>) {
+    let seed = fresh_seed();
+    let mut rng = Rng::new(seed);
+    for cfg in [RouterConfig::glm45(8, 4), RouterConfig::glm45(1, 1)] {
+        let router = Router::new(cfg).unwrap();
+        let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+        let tokens = 300;
+        let mut inp = Inputs::random(&cfg, tokens, &mut rng);
+        let nan = bf16::from_f32(f32::NAN);
+        for t in 0..4 {
+            inp.x[t * h..(t + 1) * h].fill(nan); // all scores NaN
+        }
+        inp.x[10 * h + 3] = bf16::from_f32(f32::INFINITY);
+        inp.x[11 * h + 5] = bf16::from_f32(f32::NEG_INFINITY);
+        inp.w[7 * h..8 * h].fill(nan); // expert 7: NaN score for every token
+        inp.bias[20] = f32::NAN;
+        inp.bias[21] = f32::INFINITY;
+        inp.bias[22] = f32::NEG_INFINITY;
+        let label = format!("extreme {cfg:?} seed {seed}");
+        let got = gpu_forward(s, &router, tokens, &inp);
+        let want = reference::forward(&cfg, tokens, &inp.x, &inp.w, &inp.bias);
+        for t in 0..tokens {
+            let (g, r) = (
+                &got.idx[t * k..(t + 1) * k],
+                &want.topk_idx[t * k..(t + 1) * k],
+            );
+            assert!(
+                g == r || want.near_tie[t],
+                "{label}: token {t}: {g:?} vs {r:?}"
+            );
+            if g != r {
+                continue;
+            }
+            for j in t * k..(t + 1) * k {
+                let (a, b) = (got.weights[j], want.topk_weights[j]);
+                if b.is_nan() {
+                    assert!(a.is_nan(), "{label}: token {t}: weight {a}, reference NaN");
+                } else {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1e-6),
+                        "{label}: token {t}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+        // Expert 7 (NaN for every token) and expert 20 (NaN bias) are never chosen over finite
+        // candidates; expert 21 (bias +inf: its group's score is +inf, so kept) always is.
+        for t in 4..tokens {
+            let row = &got.idx[t * k..(t + 1) * k];
+            assert!(
+                row.contains(&21) && !row.contains(&7) && !row.contains(&20),
+                "{label}: token {t} chose a NaN expert: {row:?}"
+            );
+        }
+
+        // Backward on finite x with NaN in the incoming gradient of a few tokens.
+        let clean = Inputs::random(&cfg, tokens, &mut rng);
+        let fwd = gpu_forward(s, &router, tokens, &clean);
+        let mut grad_out = random_grad(tokens * k, &mut rng);
+        grad_out[5 * k + 2] = f32::NAN;
+        grad_out[9 * k] = f32::INFINITY;
+        for precision in [Precision::Default, Precision::Precise] {
+            let opts = BackwardOptions {
+                accumulate_grad_w: false,
+                precision,
+            };
+            let g = gpu_backward(
+                s,
+                &router,
+                tokens,
+                &clean,
+                &fwd.dev.topk_idx,
+                &fwd.dev.topk_scores,
+                &grad_out,
+                opts,
+                None,
+            );
+            let r = reference::backward(
+                &cfg,
+                tokens,
+                &clean.x,
+                &clean.w,
+                &fwd.idx[..tokens * k],
+                &fwd.scores[..tokens * k],
+                &grad_out,
+            );
+            let nan_rows = |v: &[f64], width: usize| -> Vec<bool> {
+                v.chunks(width)
+                    .map(|row| row.iter().any(|a| !a.is_finite()))
+                    .collect()
+            };
+            assert_eq!(
+                nan_rows(&g.grad_x, h),
+                nan_rows(&r.grad_x, h),
+                "{label} {precision:?}: grad_x non-finite rows"
+            );
+            assert_eq!(
+                nan_rows(&g.grad_w, h),
+                nan_rows(&r.grad_w, h),
+                "{label} {precision:?}: grad_w non-finite rows"
+            );
+        }
     }
 }
