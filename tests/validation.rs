@@ -178,3 +178,13 @@ fn random_configs_are_accepted_exactly_when_valid() {
         "the generator should produce valid configs too ({accepted})"
     );
 }
+
+/// `Router` is plain configuration (the C++ side keeps only atomics per device), so one router
+/// may be shared by threads driving different streams.
+#[test]
+fn router_is_send_and_sync() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Router>();
+    assert_send_sync::<RouterConfig>();
+    assert_send_sync::<moe_routing::Error>();
+}
