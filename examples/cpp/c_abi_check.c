@@ -7,15 +7,7 @@
 
 #include <moe_routing/moe_routing.h>
 
-int moe_routing_example_c_abi_check(void);
-int32_t moe_routing_example_c_forward(int64_t tokens, const uint16_t* x, const uint16_t* w,
-                                      const float* bias, int32_t* topk_idx, float* topk_weights,
-                                      float* topk_scores, void* stream);
-int32_t moe_routing_example_c_backward(int64_t tokens, const uint16_t* x, const uint16_t* w,
-                                       const int32_t* topk_idx, const float* topk_scores,
-                                       const float* grad_topk_weights, uint16_t* grad_x,
-                                       float* grad_w, void* workspace, size_t workspace_bytes,
-                                       void* stream);
+#include "c_abi_check.h"
 
 /* GLM-4.5: H 5120, E 160, top-8 of 8 groups keeping 4, scale 2.5, normalized. */
 static moe_routing_config glm45(void) {
