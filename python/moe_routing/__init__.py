@@ -1,0 +1,49 @@
+"""PyTorch bindings of moe-routing: the grouped top-k MoE router of DeepSeek-V3 / GLM-4.5
+(HF transformers' "noaux_tc" router) as CUDA kernels for Hopper (sm_90a).
+
+* :class:`GroupedTopKRouter`: drop-in for transformers' ``DeepseekV3TopkRouter`` /
+  ``Glm4MoeTopkRouter`` (see :func:`replace_hf_routers`);
+* ``torch.ops.moe_routing.route`` / ``route_backward`` (also :func:`route`,
+  :func:`route_backward`): the custom ops;
+* :mod:`moe_routing.reference`: the same semantics in plain PyTorch.
+
+The shared library ``libmoe_routing.so`` is loaded through ctypes on first use; see
+:func:`library_path` for where it is looked for.
+"""
+
+from . import reference
+from ._lib import (
+    ABI_VERSION,
+    LibraryError,
+    MoeRoutingError,
+    abi_version,
+    candidate_paths,
+    find_library,
+    library_path,
+    status_string,
+    version,
+)
+from ._lib import load as load_library
+from .module import GroupedTopKRouter, replace_hf_routers
+from .ops import check_config, route, route_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ABI_VERSION",
+    "GroupedTopKRouter",
+    "LibraryError",
+    "MoeRoutingError",
+    "abi_version",
+    "candidate_paths",
+    "check_config",
+    "find_library",
+    "library_path",
+    "load_library",
+    "reference",
+    "replace_hf_routers",
+    "route",
+    "route_backward",
+    "status_string",
+    "version",
+]

@@ -1,0 +1,331 @@
+"""The router as PyTorch custom ops: ``torch.ops.moe_routing.route`` and
+``torch.ops.moe_routing.route_backward``.
+
+Both run the library's CUDA kernels on the current CUDA stream of the input's device, have
+fake (meta) implementations, so ``torch.compile`` traces them without a graph break, and
+allocate everything they use through PyTorch's allocator (CUDA graph capture works). ``route``
+is differentiable in ``x`` and ``weight``: its backward is ``route_backward``.
+
+Inputs are checked before any call into the library: a wrong device, dtype, layout, shape or
+config raises ``ValueError``; a non-zero status from the library raises
+:class:`moe_routing.MoeRoutingError` (a ``RuntimeError``) with the library's text.
+"""
+
+import ctypes
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib
+
+# Limits of the kernels (cpp/include/moe_routing/router.h).
+MAX_HIDDEN = 65536
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+MAX_TOKENS = 2**31 - 1
+
+
+def check_config(
+    hidden_size: int,
+    n_routed_experts: int,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+) -> None:
+    """Raises ValueError with the reason if the router config is not supported."""
+    H, E, K = hidden_size, n_routed_experts, top_k
+    if H <= 0 or H % 8 != 0 or H > MAX_HIDDEN:
+        raise ValueError(
+            f"hidden_size must be a positive multiple of 8 up to {MAX_HIDDEN}, got {H}"
+        )
+    if E <= 0 or E > MAX_EXPERTS:
+        raise ValueError(f"n_routed_experts must be in 1..{MAX_EXPERTS}, got {E}")
+    if K <= 0 or K > MAX_TOP_K:
+        raise ValueError(f"num_experts_per_tok (top_k) must be in 1..{MAX_TOP_K}, got {K}")
+    if n_group <= 0 or E % n_group != 0:
+        raise ValueError(f"n_group ({n_group}) must be positive and divide n_routed_experts ({E})")
+    if topk_group <= 0 or topk_group > n_group:
+        raise ValueError(f"topk_group must be in 1..n_group ({n_group}), got {topk_group}")
+    per_group = E // n_group
+    if n_group > 1 and per_group < 2:
+        raise ValueError(
+            f"groups need at least 2 experts (the group score is the sum of the two best), "
+            f"got {E} experts in {n_group} groups"
+        )
+    if K > topk_group * per_group:
+        raise ValueError(
+            f"num_experts_per_tok ({K}) exceeds the number of candidate experts "
+            f"(topk_group {topk_group} x {per_group} experts per group)"
+        )
+    if not (float("-inf") < routed_scaling_factor < float("inf")):
+        raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
+
+
+def _shape(t: Tensor) -> Tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_tensor(name: str, t: Tensor, dtypes, shape) -> None:
+    _need(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _need(
+        t.dim() == len(shape),
+        f"{name} must have {len(shape)} dimension(s) {list(shape)}, got shape {_shape(t)}",
+    )
+    _need(
+        t.dtype in dtypes,
+        f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}",
+    )
+    for i, n in enumerate(shape):
+        if n is not None:
+            _need(t.shape[i] == n, f"{name} must have shape {list(shape)}, got {_shape(t)}")
+    _need(t.is_contiguous(), f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_devices(device: torch.device, **tensors: Tensor) -> None:
+    _need(device.type == "cuda", f"x must be a CUDA tensor, got device {device}")
+    for name, t in tensors.items():
+        _need(t.device == device, f"{name} is on {t.device}, but x is on {device}")
+
+
+def _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor) -> None:
+    _need(x.dim() == 2, f"x must be [T, H], got shape {_shape(x)}")
+    _need(weight.dim() == 2, f"weight must be [E, H], got shape {_shape(weight)}")
+    H = x.shape[1]
+    E = weight.shape[0]
+    _check_tensor("x", x, (torch.bfloat16,), (None, H))
+    _check_tensor("weight", weight, (torch.bfloat16, torch.float32), (E, H))
+    _check_tensor("bias", bias, (torch.float32,), (E,))
+    check_config(int(H), int(E), top_k, n_group, topk_group, routed_scaling_factor)
+
+
+def _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
+                    routed_scaling_factor) -> None:
+    _need(x.dim() == 2, f"x must be [T, H], got shape {_shape(x)}")
+    _need(weight.dim() == 2, f"weight must be [E, H], got shape {_shape(weight)}")
+    _need(topk_idx.dim() == 2, f"topk_idx must be [T, K], got shape {_shape(topk_idx)}")
+    T, H = x.shape
+    E = weight.shape[0]
+    K = topk_idx.shape[1]
+    _check_tensor("x", x, (torch.bfloat16,), (None, H))
+    _check_tensor("weight", weight, (torch.bfloat16, torch.float32), (E, H))
+    _check_tensor("topk_idx", topk_idx, (torch.int32,), (T, K))
+    _check_tensor("topk_scores", topk_scores, (torch.float32,), (T, K))
+    _check_tensor("grad_topk_weights", grad_topk_weights, (torch.float32,), (T, K))
+    check_config(int(H), int(E), int(K), n_group, topk_group, routed_scaling_factor)
+
+
+def _aligned(t: Tensor, align: int) -> Tensor:
+    """`t`, or a fresh (aligned) copy if its data pointer is not `align`-byte aligned."""
+    return t if t.data_ptr() % align == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _stream(device: torch.device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+# --------------------------------------------------------------------------------------------
+# moe_routing::route
+
+
+@torch.library.custom_op("moe_routing::route", mutates_args=())
+def route(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+    precise_backward: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Grouped top-k routing of ``x`` [T, H] bf16 by ``weight`` [E, H] and ``bias`` [E] f32.
+
+    ``weight`` is bf16, or f32 (then rounded to bf16 for the kernel, and its gradient is the
+    kernel's f32 ``grad_w`` as is). Returns ``topk_idx`` [T, K] int32 (best first),
+    ``topk_weights`` [T, K] f32 and ``topk_scores`` [T, K] f32 (the sigmoid scores of the chosen
+    experts). Only ``topk_weights`` is differentiable; ``precise_backward`` selects the
+    fp32-accurate backward path.
+    """
+    _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
+    _check_devices(x.device, weight=weight, bias=bias)
+    T, H = x.shape
+    E = weight.shape[0]
+    K = top_k
+    _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
+    topk_idx = torch.empty((T, K), dtype=torch.int32, device=x.device)
+    topk_weights = torch.empty((T, K), dtype=torch.float32, device=x.device)
+    topk_scores = torch.empty((T, K), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return topk_idx, topk_weights, topk_scores
+    lib = _lib.load()
+    w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+    x = _aligned(x, 16)
+    w = _aligned(w, 16)
+    cfg = _lib.make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+    args = _lib.MoeRoutingForwardArgs(
+        struct_size=ctypes.sizeof(_lib.MoeRoutingForwardArgs),
+        reserved=0,
+        tokens=T,
+        x=_lib.ptr(x.data_ptr(), ctypes.c_uint16),
+        x_len=x.numel(),
+        w=_lib.ptr(w.data_ptr(), ctypes.c_uint16),
+        w_len=w.numel(),
+        bias=_lib.ptr(bias.data_ptr(), ctypes.c_float),
+        bias_len=bias.numel(),
+        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        topk_idx_len=topk_idx.numel(),
+        topk_weights=_lib.ptr(topk_weights.data_ptr(), ctypes.c_float),
+        topk_weights_len=topk_weights.numel(),
+        topk_scores=_lib.ptr(topk_scores.data_ptr(), ctypes.c_float),
+        topk_scores_len=topk_scores.numel(),
+    )
+    with torch.cuda.device(x.device):
+        status = lib.moe_routing_forward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
+    _lib.check_status(status, "moe_routing_forward")
+    return topk_idx, topk_weights, topk_scores
+
+
+@route.register_fake
+def _route_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                norm_topk_prob, precise_backward=False):
+    _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
+    T = x.shape[0]
+    return (
+        x.new_empty((T, top_k), dtype=torch.int32),
+        x.new_empty((T, top_k), dtype=torch.float32),
+        x.new_empty((T, top_k), dtype=torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# moe_routing::route_backward
+
+
+@torch.library.custom_op("moe_routing::route_backward", mutates_args=())
+def route_backward(
+    x: Tensor,
+    weight: Tensor,
+    topk_idx: Tensor,
+    topk_scores: Tensor,
+    grad_topk_weights: Tensor,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+    precise: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Gradients of ``x`` and ``weight`` from ``grad_topk_weights`` [T, K] f32.
+
+    ``topk_idx`` [T, K] int32 and ``topk_scores`` [T, K] f32 are ``route``'s outputs (rows of
+    distinct experts). Returns ``grad_x`` [T, H] bf16 and ``grad_w`` [E, H] f32. ``precise``
+    selects the fp32-accurate path (slower). ``weight`` may be bf16 or f32 (rounded to bf16,
+    as in the forward).
+    """
+    _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
+                    routed_scaling_factor)
+    _check_devices(x.device, weight=weight, topk_idx=topk_idx, topk_scores=topk_scores,
+                   grad_topk_weights=grad_topk_weights)
+    T, H = x.shape
+    E = weight.shape[0]
+    K = topk_idx.shape[1]
+    _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
+    grad_x = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return grad_x, torch.zeros((E, H), dtype=torch.float32, device=x.device)
+    grad_w = torch.empty((E, H), dtype=torch.float32, device=x.device)
+    lib = _lib.load()
+    w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+    x = _aligned(x, 16)
+    w = _aligned(w, 16)
+    cfg = _lib.make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+    ws_bytes = _lib.backward_workspace_bytes(cfg, T)
+    if ws_bytes <= 0:
+        raise _lib.MoeRoutingError(
+            _lib.INVALID_CONFIG,
+            f"moe_routing_backward_workspace_bytes returned 0 for T={T}: "
+            f"{_lib.status_string(_lib.validate_config(cfg))}",
+        )
+    # Zeroed, as the library requires of a new workspace; one per call, from PyTorch's
+    # allocator, so that the call can be captured into a CUDA graph.
+    workspace = torch.zeros(ws_bytes, dtype=torch.uint8, device=x.device)
+    args = _lib.MoeRoutingBackwardArgs(
+        struct_size=ctypes.sizeof(_lib.MoeRoutingBackwardArgs),
+        precision=_lib.PRECISION_PRECISE if precise else _lib.PRECISION_DEFAULT,
+        tokens=T,
+        x=_lib.ptr(x.data_ptr(), ctypes.c_uint16),
+        x_len=x.numel(),
+        w=_lib.ptr(w.data_ptr(), ctypes.c_uint16),
+        w_len=w.numel(),
+        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        topk_idx_len=topk_idx.numel(),
+        topk_scores=_lib.ptr(topk_scores.data_ptr(), ctypes.c_float),
+        topk_scores_len=topk_scores.numel(),
+        grad_topk_weights=_lib.ptr(grad_topk_weights.data_ptr(), ctypes.c_float),
+        grad_topk_weights_len=grad_topk_weights.numel(),
+        grad_x=_lib.ptr(grad_x.data_ptr(), ctypes.c_uint16),
+        grad_x_len=grad_x.numel(),
+        grad_w=_lib.ptr(grad_w.data_ptr(), ctypes.c_float),
+        grad_w_len=grad_w.numel(),
+        workspace=ctypes.c_void_p(workspace.data_ptr()),
+        workspace_bytes=workspace.numel(),
+        accumulate_grad_w=0,
+        reserved=0,
+    )
+    with torch.cuda.device(x.device):
+        status = lib.moe_routing_backward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
+    _lib.check_status(status, "moe_routing_backward")
+    return grad_x, grad_w
+
+
+@route_backward.register_fake
+def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group,
+                         topk_group, routed_scaling_factor, norm_topk_prob, precise=False):
+    _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
+                    routed_scaling_factor)
+    T, H = x.shape
+    E = weight.shape[0]
+    return (
+        x.new_empty((T, H), dtype=torch.bfloat16),
+        x.new_empty((E, H), dtype=torch.float32),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd of route
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _bias, _k, n_group, topk_group, scale, norm, precise = inputs
+    topk_idx, _topk_weights, topk_scores = output
+    ctx.save_for_backward(x, weight, topk_idx, topk_scores)
+    ctx.cfg = (n_group, topk_group, scale, norm, precise)
+    ctx.weight_dtype = weight.dtype
+    ctx.mark_non_differentiable(topk_idx, topk_scores)
+
+
+def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
+    x, weight, topk_idx, topk_scores = ctx.saved_tensors
+    n_group, topk_group, scale, norm, precise = ctx.cfg
+    grad_x = grad_w = None
+    if grad_topk_weights is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        g = grad_topk_weights.to(torch.float32).contiguous()
+        grad_x, grad_w = torch.ops.moe_routing.route_backward(
+            x, weight, topk_idx, topk_scores, g, n_group, topk_group, scale, norm, precise
+        )
+        grad_x = grad_x if ctx.needs_input_grad[0] else None
+        grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+route.register_autograd(_route_autograd_backward, setup_context=_setup_context)
+
+
+__all__ = ["route", "route_backward", "check_config", "MAX_HIDDEN", "MAX_EXPERTS", "MAX_TOP_K"]
