@@ -24,6 +24,15 @@ pub struct RouterConfig {
 
 impl RouterConfig {
     /// The GLM-4.5 router: hidden 5120, 160 experts, top-8, scaled by 2.5, normalized.
+    ///
+    /// ```
+    /// use moe_routing::{RouterConfig, Status};
+    /// let cfg = RouterConfig::glm45(8, 4); // 8 groups of 20 experts, 4 kept per token
+    /// assert!(cfg.validate().is_ok());
+    /// // 8 experts cannot come from 1 kept group of 5.
+    /// let bad = RouterConfig { n_routed_experts: 40, topk_group: 1, ..cfg };
+    /// assert_eq!(bad.validate().unwrap_err().kind, Status::InvalidConfig);
+    /// ```
     pub fn glm45(n_group: usize, topk_group: usize) -> Self {
         Self {
             hidden_size: 5120,
