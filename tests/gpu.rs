@@ -611,9 +611,26 @@ fn invalid_arguments_touch_nothing(s: &Arc<CudaStream>) {
     );
 }
 
+/// The suite's cases; `MOE_ROUTING_SUITE_CASES=name,name,...` keeps only those (e.g. for runs
+/// under compute-sanitizer).
 fn suite_cases() -> Vec<Case> {
     let path = suite::default_path();
-    suite::load(&path).unwrap_or_else(|e| panic!("suite: {e}"))
+    let cases = suite::load(&path).unwrap_or_else(|e| panic!("suite: {e}"));
+    match std::env::var("MOE_ROUTING_SUITE_CASES") {
+        Ok(names) => {
+            let keep: Vec<&str> = names.split(',').map(str::trim).collect();
+            let picked: Vec<Case> = cases
+                .into_iter()
+                .filter(|c| keep.contains(&c.name.as_str()))
+                .collect();
+            assert!(
+                !picked.is_empty(),
+                "MOE_ROUTING_SUITE_CASES={names} names no suite case"
+            );
+            picked
+        }
+        Err(_) => cases,
+    }
 }
 
 fn suite_forward(s: &Arc<CudaStream>) {

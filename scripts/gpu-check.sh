@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs the GPU checks and benchmarks on a machine with a Hopper GPU, from executables built
+# elsewhere (no Rust toolchain needed there). From the repository root:
+#
+#   scripts/gpu-check.sh BIN_DIR OUT_DIR [SECTION...]
+#
+# BIN_DIR holds test-gpu-test (target/release/deps/gpu-<hash>), bench-backward[-bench]
+# (target/release/deps/backward-<hash>) and, optionally, router_example (examples/cpp build)
+# and moe_routing/ (the C/C++ package, for the PyTorch tests). OUT_DIR receives the logs and
+# results. Sections, in order (default: all): tests bench ncu sanitize example python.
+# Each step has a time limit, so a hang costs minutes, not the run; all sections together take
+# longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
+# compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
+set -uo pipefail
+bin=${1:?BIN_DIR}; out=${2:?OUT_DIR}; shift 2
+sections=${*:-tests bench ncu sanitize example python}
+mkdir -p "$out"
+bench=$(ls "$bin"/bench-backward* 2>/dev/null | head -1)
+# The unfused baseline loads cuBLAS at run time; PyTorch's wheels carry one.
+cublas=$(find / -name 'libcublas.so.1[0-9]*' -path '*nvidia*' 2>/dev/null | head -1)
+[ -n "$cublas" ] && export LD_LIBRARY_PATH="$(dirname "$cublas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+status=0
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$out/$name.log"
+  [ $rc -eq 0 ] || { echo "!! $name: exit $rc"; status=1; }
+  return $rc
+}
+for section in $sections; do
+  case $section in
+    tests)
+      # A short deadlock check first: the rest is not worth running if it hangs.
+      step determinism 60 "$bin/test-gpu-test" deterministic &&
+      step gpu-tests 600 "$bin/test-gpu-test" ;;
+    bench)
+      step bench 300 "$bench" --bench --json "$out/h200.json" ;;
+    ncu)
+      step ncu 240 ncu --clock-control none -k regex:fused_backward --launch-skip 5 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section ComputeWorkloadAnalysis \
+        --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+        "$bench" --bench --filter t32768 --json "$out/ncu-bench.json" ;;
+    sanitize)
+      # Small shapes, zero tokens, validation, and the tails T=3001 and T=10007 plus two
+      # multiples of 128, under each tool.
+      export MOE_ROUTING_SUITE_CASES=t512_g1x1,t3001_g8x4,t8192_g8x4,t10007_g1x1
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+        for t in backward_small_shapes zero_tokens invalid_arguments suite_backward suite_forward; do
+          step "sanitize-$tool-$t" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+            "$bin/test-gpu-test" "$t"
+        done
+      done
+      unset MOE_ROUTING_SUITE_CASES ;;
+    example)
+      [ -x "$bin/router_example" ] && step cpp-example 120 "$bin/router_example" ;;
+    python)
+      if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
+        MOE_ROUTING_LIB="$bin/moe_routing/lib/libmoe_routing.so" PYTHONPATH="$PWD/python" \
+          step python-tests 600 python3 -m pytest -q python/tests
+      fi ;;
+    *) echo "unknown section $section"; status=1 ;;
+  esac
+done
+exit $status
