@@ -2,7 +2,7 @@
 //! dense routing gradient + two cuBLAS GEMMs) on every case of the suite, with speed of light.
 //!
 //!     cargo bench --bench backward [-- [--filter NAME] [--json PATH]]
-//!     bench-backward --bench [--json PATH] [--filter NAME] [--precise]
+//!     bench-backward --bench [--json PATH] [--filter NAME]
 //!
 //! Per case: fused backward (`Precision::Default`), fused backward (`Precision::Precise`) and
 //! the unfused baseline, timed as `../shared/bench/README.md` asks: CUDA events around many
@@ -83,15 +83,15 @@ fn parse_args() -> Result<Args> {
             "--filter" => filter = Some(value("--filter")?),
             "-h" | "--help" => {
                 println!(
-                    "usage: bench-backward [--json PATH] [--filter NAME] [--precise]\n\
-                     The Precision::Precise column is always timed; --precise is accepted for \
-                     compatibility. Other flags (such as cargo's --bench) are ignored."
+                    "usage: bench-backward [--json PATH] [--filter NAME]\n\
+                     Both precisions are always timed. Other flags (such as cargo's --bench) \
+                     are ignored."
                 );
                 std::process::exit(0);
             }
             // `cargo bench -- NAME` passes the filter as a bare argument.
             _ if !flag.starts_with('-') => filter = Some(arg),
-            // --precise (the default) and cargo's own flags such as --bench.
+            // Cargo's own flags, such as --bench.
             _ => {}
         }
     }
