@@ -52,6 +52,7 @@ pub(crate) mod ffi {
         unsafe fn router_forward(cfg: &Config, bufs: &ForwardBuffers, stream: u64) -> i32;
         unsafe fn router_backward(cfg: &Config, bufs: &BackwardBuffers, stream: u64) -> i32;
         fn device_count() -> i32;
+        fn status_string(status: i32) -> &'static str;
         unsafe fn baseline_routing_grad_dense(
             cfg: &Config,
             tokens: i64,

@@ -5,15 +5,15 @@ use std::fmt;
 /// What went wrong, one variant per C++ `moe_routing::Status`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
-    Success,
-    InvalidConfig,
-    InvalidShape,
-    NullPointer,
-    Misaligned,
-    BufferTooSmall,
-    ForeignPointer,
-    Cuda,
-    Unsupported,
+    Success = 0,
+    InvalidConfig = 1,
+    InvalidShape = 2,
+    NullPointer = 3,
+    Misaligned = 4,
+    BufferTooSmall = 5,
+    ForeignPointer = 6,
+    Cuda = 7,
+    Unsupported = 8,
 }
 
 impl Status {
@@ -41,18 +41,9 @@ impl Status {
         }
     }
 
+    /// The C++ layer's description of this status (one source for every language).
     fn describe(self) -> &'static str {
-        match self {
-            Status::Success => "success",
-            Status::InvalidConfig => "invalid router config",
-            Status::InvalidShape => "invalid shape",
-            Status::NullPointer => "null pointer",
-            Status::Misaligned => "misaligned pointer",
-            Status::BufferTooSmall => "buffer too small",
-            Status::ForeignPointer => "pointer is not device memory of the stream's device",
-            Status::Cuda => "CUDA error",
-            Status::Unsupported => "unsupported",
-        }
+        crate::bridge::ffi::status_string(self as i32)
     }
 }
 

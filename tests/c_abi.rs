@@ -357,7 +357,7 @@ impl Arg {
         align: u64,
         slot: u64,
     ) -> Self {
-        let base = (host.as_ptr() as u64 + 255) / 256 * 256 + slot * 256;
+        let base = (host.as_ptr() as u64).div_ceil(256) * 256 + slot * 256;
         let (ptr, len) = match rng.below(10) {
             0 => (0, need),
             1 => (base + 4 * (1 + rng.below(3) as u64) % align.max(8), need),

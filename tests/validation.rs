@@ -188,3 +188,16 @@ fn router_is_send_and_sync() {
     assert_send_sync::<RouterConfig>();
     assert_send_sync::<moe_routing::Error>();
 }
+
+/// Error messages carry the C++ layer's description of the status and the call's context.
+#[test]
+fn errors_describe_their_status() {
+    let err = Router::new(RouterConfig {
+        n_group: 7,
+        ..glm()
+    })
+    .unwrap_err();
+    let text = err.to_string();
+    assert!(text.starts_with("invalid router config: "), "{text}");
+    assert!(text.contains("n_group: 7"), "{text}");
+}

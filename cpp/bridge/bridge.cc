@@ -80,6 +80,10 @@ int32_t router_backward(const Config& cfg, const BackwardBuffers& b, uint64_t st
 
 int32_t device_count() { return moe_routing::device_count(); }
 
+rust::Str status_string(int32_t status) {
+  return moe_routing::status_string(static_cast<Status>(status));
+}
+
 int32_t baseline_routing_grad_dense(const Config& cfg, int64_t tokens, uint64_t topk_idx,
                                     uint64_t topk_scores, uint64_t grad_topk_weights,
                                     uint64_t dense, uint64_t stream) {
