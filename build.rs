@@ -64,6 +64,11 @@ fn main() {
                     GENCODE,
                     "-DNDEBUG",
                     "--expt-relaxed-constexpr",
+                    // wgmma N of every multiple of 8 (N = E = 160 among them), not only
+                    // of 64, in CuTe's MMA selectors.
+                    "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+                    // Source lines for profilers; no effect on the code.
+                    "-lineinfo",
                 ])
                 .args(["-Xcompiler", "-fPIC", "-c"])
                 .arg("-I")

@@ -8,7 +8,8 @@ namespace moe_routing::detail {
 // The workspace starts with the fused kernel's grad_w tickets (zero between launches), so that
 // every path leaves them intact; the rest is per-path scratch.
 constexpr size_t kTicketBytes = 2048;
-constexpr int kFusedMaxSplits = 4;
+// Upper bound on the persistent grid (one CTA per SM), for workspace sizing.
+constexpr int kFusedMaxCtas = 160;
 
 // True where the fused kernel handles the shape (others take the simple path).
 bool fused_backward_supported(const RouterConfig& cfg, Precision precision);
@@ -21,7 +22,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, 
 
 // One instantiation per (expert count, top-k), each in its own translation unit.
 template <int kExperts, int kTopK>
-Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int splits,
-                               int tiles_per_split, cudaStream_t stream);
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int ctas,
+                               cudaStream_t stream);
 
 }  // namespace moe_routing::detail

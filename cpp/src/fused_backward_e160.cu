@@ -2,6 +2,6 @@
 #include "fused_backward_launch.cuh"
 
 namespace moe_routing::detail {
-template Status launch_fused_backward_e<160, 8>(const RouterConfig&, const BackwardArgs&, int, int,
-                                             cudaStream_t);
+template Status launch_fused_backward_e<160, 8>(const RouterConfig&, const BackwardArgs&, int,
+                                                cudaStream_t);
 }  // namespace moe_routing::detail

@@ -12,28 +12,25 @@
 namespace moe_routing::detail {
 
 template <int kExperts, int kTopK>
-Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int splits,
-                               int tiles_per_split, cudaStream_t stream) {
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int ctas,
+                               cudaStream_t stream) {
   using namespace cute;
   namespace fb = kernels::fused_backward;
   using Cfg = fb::Config<kExperts, kTopK>;
   using Elem = typename Cfg::Elem;
   const int64_t H = cfg.hidden_size, T = a.tokens;
 
-  // Global tensors, h-major: (H, T) and (H, E) with h contiguous.
+  // Global tensors, h-major: (H, T) with h contiguous.
   Tensor mX = make_tensor(make_gmem_ptr(reinterpret_cast<const Elem*>(a.x.data)),
                           make_shape(int(H), int(T)), make_stride(_1{}, H));
-  Tensor mW = make_tensor(make_gmem_ptr(reinterpret_cast<const Elem*>(a.w.data)),
-                          make_shape(int(H), Int<kExperts>{}), make_stride(_1{}, H));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
-  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{});
-
   Tensor mGX = make_tensor(make_gmem_ptr(reinterpret_cast<Elem*>(a.grad_x.data)),
                            make_shape(int(H), int(T)), make_stride(_1{}, H));
-  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGX{}(_, _, 0));
+  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGXHalf{});
 
-  using P = fb::Params<decltype(tma_x), decltype(tma_w), decltype(tma_gx)>;
-  P p{tma_x, tma_w, tma_gx};
+  using P = fb::Params<decltype(tma_x), decltype(tma_gx)>;
+  P p{tma_x, tma_gx};
+  p.w = reinterpret_cast<const Elem*>(a.w.data);
   p.topk_idx = a.topk_idx.data;
   p.topk_scores = a.topk_scores.data;
   p.grad_topk_weights = a.grad_topk_weights.data;
@@ -45,9 +42,9 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;
-  p.tiles = int(ceil_div(T, Cfg::kTileT));
-  p.tiles_per_split = tiles_per_split;
-  p.splits = splits;
+  p.sched.tiles = ceil_div(T, Cfg::kTileT);
+  p.sched.slices = H / Cfg::kTileH;
+  p.sched.ctas = ctas;
 
   auto kernel = fb::fused_backward_sm90<Cfg, P>;
   // The shared-memory opt-in is per device and sticks: set it once per device.
@@ -56,14 +53,14 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   if (Status s = cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
   const uint64_t bit = uint64_t(1) << (device & 63);
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
+    RelaxedCaptureScope relaxed;
     if (Status s = cuda_status(cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
         s != Status::kSuccess)
       return s;
     smem_set.fetch_or(bit, std::memory_order_release);
   }
-  dim3 grid(unsigned(H / Cfg::kTileH), unsigned(splits));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  kernel<<<unsigned(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return last_launch_status();
 }
 

@@ -15,6 +15,25 @@ inline Status cuda_status(cudaError_t err) {
   return Status::kCudaError;
 }
 
+// Puts the calling thread in relaxed stream-capture mode for its scope. The host-side queries
+// before a launch (stream device, pointer attributes, kernel attributes) are not stream work,
+// but under a global-mode capture (what PyTorch's CUDA graphs use) the runtime refuses them
+// as "potentially unsafe" and invalidates the capture. In relaxed mode they are allowed; the
+// launches themselves are captured as usual.
+class RelaxedCaptureScope {
+ public:
+  RelaxedCaptureScope() { ok_ = cudaThreadExchangeStreamCaptureMode(&mode_) == cudaSuccess; }
+  ~RelaxedCaptureScope() {
+    if (ok_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  RelaxedCaptureScope(const RelaxedCaptureScope&) = delete;
+  RelaxedCaptureScope& operator=(const RelaxedCaptureScope&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  bool ok_ = false;
+};
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace moe_routing::detail

@@ -1,5 +1,7 @@
 #include "validate.h"
 
+#include "launch.h"
+
 #include <cmath>
 #include <limits>
 
@@ -38,10 +40,24 @@ Status validate_config(const RouterConfig& c) {
 namespace detail {
 namespace {
 
-// The device a stream belongs to (the current device for the legacy default stream).
+// The device a stream belongs to (the current device for the legacy default stream). While a
+// stream captures a graph, -1: the device of the buffers decides (check_all), and a launch on
+// a stream of another device fails cleanly.
 Status stream_device(cudaStream_t stream, int* device) {
-  cudaError_t err = stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device);
-  if (err != cudaSuccess) {
+  if (stream) {
+    // Asking a capturing stream for its device invalidates the capture: ask whether it
+    // captures first (allowed).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::kCudaError;
+    }
+    if (capture != cudaStreamCaptureStatusNone) {
+      *device = -1;
+      return Status::kSuccess;
+    }
+  }
+  if ((stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device)) != cudaSuccess) {
     (void)cudaGetLastError();
     return Status::kCudaError;
   }
@@ -89,7 +105,23 @@ template <size_t N>
 Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int* device) {
   for (const Buffer& b : buffers)
     if (Status s = check_host(b); s != Status::kSuccess) return s;
+  RelaxedCaptureScope relaxed;
   if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
+  for (const Buffer& b : buffers) {
+    if (*device >= 0 || b.need == 0) continue;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, b.ptr) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return Status::kForeignPointer;
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+      return Status::kForeignPointer;
+    *device = attr.device;
+  }
+  if (*device < 0 && cudaGetDevice(device) != cudaSuccess) {  // no buffer needed
+    (void)cudaGetLastError();
+    return Status::kCudaError;
+  }
   for (const Buffer& b : buffers)
     if (Status s = check_device(b, *device); s != Status::kSuccess) return s;
   return Status::kSuccess;

@@ -1,14 +1,16 @@
 // Tile shapes, shared-memory layouts and tiled MMAs of the fused backward (sm90a).
 //
-// One CTA owns a kTileH-wide slice of hidden columns and a contiguous range of token tiles.
-// Per token tile it holds, in shared memory:
-//   sG  (t, e)  the routing gradient G, built by the producer warpgroup from the [T, K] inputs
-//   sX  (h, t)  the x tile, by TMA
-// and, for the whole range, sW (h, e), its slice of w. Two consumer warpgroups compute
-//   dgrad  grad_x(t, h)  = Σ_e G(t, e) · w(e, h)      A = sG (K-major), B = sW (MN-major)
-//   wgrad  grad_wᵀ(h, e) += Σ_t x(t, h) · G(t, e)     A = sX (MN-major), B = sGᵀ (MN-major)
+// Work unit: one kTileT-token tile of one kTileH-wide slice of hidden columns. Per unit a CTA
+// holds in shared memory
+//   sX  (h, t)  the x tile, by TMA                                     kStagesX deep
+//   sG  (t, e)  the routing gradient G, built by producer threads      kStagesG deep
+// and in registers the slice of w as wᵀ (h, e), loaded once per slice. Two consumer
+// warpgroups, 64 hidden columns each, compute
+//   dgrad  grad_xᵀ(h, t)  = Σ_e wᵀ(h, e) · G(t, e)    A = wᵀ (registers), B = sG (K-major)
+//   wgrad  grad_wᵀ(h, e) += Σ_t xᵀ(h, t) · G(t, e)    A = sX (MN-major),  B = sGᵀ (MN-major)
 // wgrad reads the same sG tile through a transposed view: the K-major SW64 atom of G, read
-// column-wise, is the MN-major SW64 atom of Gᵀ.
+// column-wise, is the MN-major SW64 atom of Gᵀ. With w in registers, shared memory holds a
+// third x stage instead, and the tensor cores read 40 KB less of it per unit.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,74 +20,85 @@ namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <int kExperts_, int kTopK_, int kStages_ = 2>
+template <int kExperts_, int kTopK_, int kStagesX_ = 3, int kStagesG_ = 2>
 struct Config {
   static constexpr int kExperts = kExperts_;
   static constexpr int kTopK = kTopK_;
-  static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup in dgrad
-  static constexpr int kTileH = 128;  // hidden columns per CTA: 64 per warpgroup in wgrad
-  static constexpr int kStages = kStages_;
+  static constexpr int kTileT = 128;  // tokens per unit: dgrad's N
+  static constexpr int kTileH = 128;  // hidden columns per unit: 64 per consumer warpgroup
+  static constexpr int kStagesX = kStagesX_;
+  static constexpr int kStagesG = kStagesG_;
   static constexpr int kConsumers = 2;  // consumer warpgroups
   static constexpr int kThreads = 128 * (1 + kConsumers);
+  // Producer warpgroup: one G row per thread.
+  static constexpr int kBuilders = 128;
+  static_assert(kBuilders == kTileT, "one builder per token of the tile");
   // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
   // the producer gives up from the 168 per thread of a 384-thread CTA, or they wait forever.
-  static constexpr int kProducerRegs = 96;
-  static constexpr int kConsumerRegs = 200;
+  static constexpr int kProducerRegs = 72;
+  static constexpr int kConsumerRegs = 216;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168,
                 "register reallocation must balance");
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
+  static_assert(kExperts <= 256, "previous indices are kept as bytes");
   static_assert(kTopK % 4 == 0 && kTopK <= 16, "K: rows load as 16-byte vectors");
+  static_assert(kStagesG >= 2 && kStagesX >= kStagesG, "x runs at least as far ahead as G");
 
   using Elem = cutlass::bfloat16_t;
   using TileT = Int<kTileT>;
   using TileH = Int<kTileH>;
   using Experts = Int<kExperts>;
-  using Stages = Int<kStages>;
 
-  // (t, e, stage): K-major for dgrad's A.
+  // (t, e, stage): K-major, dgrad's B.
   using SmemLayoutG = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Elem>{},
-                                             Shape<TileT, Experts, Stages>{}));
+                                             Shape<TileT, Experts, Int<kStagesG>>{}));
   // (e, t, stage): the same bytes, as wgrad's MN-major B.
   using SmemLayoutGt = decltype(composition(
-      SmemLayoutG{}, make_layout(Shape<Experts, TileT, Stages>{},
+      SmemLayoutG{}, make_layout(Shape<Experts, TileT, Int<kStagesG>>{},
                                  make_stride(TileT{}, _1{}, Int<kTileT * kExperts>{}))));
   // (h, t, stage): x tile, h contiguous; wgrad's MN-major A.
   // Atoms ordered t-first so that a TMA box is 64 h × kTileT t.
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                             Shape<TileH, TileT, Stages>{}, Step<_2, _1, _3>{}));
-  // (h, e): the CTA's slice of w, h contiguous; dgrad's MN-major B.
-  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                             Shape<TileH, Experts>{}, Step<_2, _1>{}));
-  // (h, t in half, half): grad_x staging for the TMA store, one half per consumer warpgroup.
+                                             Shape<TileH, TileT, Int<kStagesX>>{},
+                                             Step<_2, _1, _3>{}));
+  // (h, t): grad_x staging for the TMA store, h contiguous; atoms t-first, so each consumer
+  // warpgroup's 64 hidden columns are one contiguous 64 h × kTileT t box.
   using SmemLayoutGX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                              Shape<TileH, Int<kTileT / 2>, _2>{},
-                                              Step<_2, _1, _3>{}));
-  // (t, h): the staging seen as dgrad's accumulator tile.
-  using SmemLayoutGXt = decltype(composition(
-      SmemLayoutGX{}, make_layout(Shape<TileT, TileH>{}, make_stride(TileH{}, _1{}))));
+                                              Shape<TileH, TileT>{}, Step<_2, _1>{}));
+  // (h, t): one warpgroup's half of the staging, the TMA store's box.
+  using SmemLayoutGXHalf = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                                  Shape<Int<kTileH / 2>, TileT>{}));
+  static_assert(cosize_v<SmemLayoutGX> == 2 * cosize_v<SmemLayoutGXHalf>, "two halves");
 
   using MmaDgrad = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, TileH, _16>, GMMA::Major::K,
-                                 GMMA::Major::MN>(),
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, TileT, _16>, GMMA::Major::K,
+                                 GMMA::Major::K>(),
       Layout<Shape<_2, _1, _1>>{}));
   using MmaWgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, _16>, GMMA::Major::MN,
                                  GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
+  // One wgmma spans all experts: a narrower one would re-read the x tile once per N block.
+  // (CuTe selects N = 160 only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by the build.)
+  static_assert(size<1>(typename MmaWgrad::AtomShape_MNK{}) == kExperts, "wgrad: N = E");
+  static_assert(size<1>(typename MmaDgrad::AtomShape_MNK{}) == kTileT, "dgrad: N = kTileT");
+  // grad_xᵀ accumulator (h, t) → staging with h contiguous: transposing 8×8 matrix stores.
+  using CopyGX = Copy_Atom<SM90_U16x8_STSM_T, Elem>;
 
   static constexpr int kXBytes = kTileT * kTileH * 2;
-  static constexpr int kWBytes = kExperts * kTileH * 2;
 
   struct alignas(1024) SharedStorage {
     alignas(1024) Elem x[cosize_v<SmemLayoutX>];
     alignas(1024) Elem g[cosize_v<SmemLayoutG>];
-    alignas(1024) Elem w[cosize_v<SmemLayoutW>];
     alignas(1024) Elem gx[cosize_v<SmemLayoutGX>];
-    alignas(8) uint64_t full[kStages];   // x landed (TMA) and G built (producer threads)
-    alignas(8) uint64_t empty[kStages];  // both GEMMs of the tile done
-    alignas(8) uint64_t w_full;
-    int last_split;  // this CTA reduces grad_w over the token splits
+    // Experts each builder set in a G stage, so that it clears just those next time.
+    alignas(16) uint8_t set_experts[kStagesG][kTileT][kTopK];
+    alignas(8) uint64_t x_full[kStagesX];   // x landed (TMA transaction count)
+    alignas(8) uint64_t x_empty[kStagesX];  // wgrad done with it
+    alignas(8) uint64_t g_full[kStagesG];   // G built (builder threads)
+    alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
+    int last_contributor;  // this CTA reduces grad_w of the slice it just finished
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

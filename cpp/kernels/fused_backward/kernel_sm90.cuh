@@ -1,11 +1,17 @@
 // The fused backward kernel (sm90a): routing gradient → dgrad and wgrad in one pass over x.
 //
-// Warp roles (three warpgroups, one CTA per SM):
-//   producer   (warpgroup 0): TMA of w once and of x per tile; builds G per tile.
-//   consumers  (warpgroups 1, 2): per tile, dgrad into registers → bf16 → TMA store of grad_x;
-//              wgrad accumulated in registers over the CTA's token range.
-// After the range, each CTA writes its grad_w partial; the last CTA of an h-slice (ticket in
-// global memory) sums the partials in split order, so grad_w is bitwise deterministic.
+// Persistent: one CTA per SM walks its range of units (slice, token tile), see schedule.cuh.
+// Warp roles (three warpgroups):
+//   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
+//              per thread; thread 0 also issues the TMA loads of x, ahead of G.
+//   consumers  warpgroups 1, 2 (64 hidden columns each): dgrad from the register-resident
+//              slice of w into registers → bf16 → transposing stores → TMA store of grad_x;
+//              wgrad accumulated in registers over the segment; grad_x is staged while wgrad
+//              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
+//              ptxas serialize every wgmma: it cannot track the groups across that loop.)
+// At the end of a segment the CTA writes grad_w directly (the segment is a whole slice) or a
+// partial; the last CTA to finish a slice (ticket in global memory) sums its partials in CTA
+// order, so grad_w is bitwise deterministic.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,67 +21,77 @@
 
 #include "kernels/fused_backward/config.cuh"
 #include "kernels/fused_backward/routing_grad_tile.cuh"
+#include "kernels/fused_backward/schedule.cuh"
 
 namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <class TmaX, class TmaW, class TmaGX>
+template <class TmaX, class TmaGX>
 struct Params {
   TmaX tma_x;    // x as (H, T)
-  TmaW tma_w;    // w as (H, E)
-  TmaGX tma_gx;  // grad_x as (H, T)
+  TmaGX tma_gx;  // grad_x as (H, T), stored in boxes of 64 h × kTileT t
+  const cutlass::bfloat16_t* w = nullptr;  // [E, H]
   const int32_t* topk_idx = nullptr;
   const float* topk_scores = nullptr;
   const float* grad_topk_weights = nullptr;
   float* grad_w = nullptr;    // [E, H]
-  float* partials = nullptr;  // [splits, E, H] when splits > 1
-  int* tickets = nullptr;     // [H / kTileH], zero between launches
+  float* partials = nullptr;  // [ctas + slices][E][kTileH]
+  int* tickets = nullptr;     // [slices], zero between launches
   int64_t tokens = 0;
   int hidden = 0;
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
-  int tiles = 0;            // token tiles
-  int tiles_per_split = 0;  // token tiles per CTA
-  int splits = 1;           // CTAs per h-slice
+  LinearSchedule sched{};
 };
 
 // Named barriers (0 is __syncthreads).
-enum : uint32_t { kBarProducer = 1, kBarConsumers = 2, kBarStore0 = 3 };
+enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2 };
 
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_constant__ const P p) {
   using Elem = typename Cfg::Elem;
   using Storage = typename Cfg::SharedStorage;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kTileT = Cfg::kTileT, kTileH = Cfg::kTileH, kExperts = Cfg::kExperts;
-  constexpr int kStages = Cfg::kStages;
+  constexpr int kStagesX = Cfg::kStagesX, kStagesG = Cfg::kStagesG;
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Storage& smem = *reinterpret_cast<Storage*>(smem_raw);
 
   const int warpgroup = threadIdx.x / 128;
-  const int hc = blockIdx.x;     // h-slice
-  const int split = blockIdx.y;  // token range
-  const int tile_begin = split * p.tiles_per_split;
-  const int tile_end = min(p.tiles, tile_begin + p.tiles_per_split);
-  const int num_tiles = tile_end - tile_begin;
+  const int cta = blockIdx.x;
+  const LinearSchedule sched = p.sched;
+  const int64_t unit0 = sched.begin(cta);
+  const int count = int(sched.begin(cta + 1) - unit0);
+  const int64_t tiles = sched.tiles;
 
   Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
   Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
-  Tensor sW = make_tensor(make_smem_ptr(smem.w), typename Cfg::SmemLayoutW{});    // (h, e)
-  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});    // (h, t/2, 2)
-  Tensor sGXt = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGXt{});  // (t, h)
+  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});  // (h, t)
 
+  // G starts all zero; builders then only touch the entries they set.
+  {
+    uint4* g = reinterpret_cast<uint4*>(smem.g);
+    constexpr int kVecs = int(sizeof(smem.g) / 16);
+    for (int i = threadIdx.x; i < kVecs; i += Cfg::kThreads) g[i] = make_uint4(0, 0, 0, 0);
+    uint4* rec = reinterpret_cast<uint4*>(&smem.set_experts[0][0][0]);
+    constexpr int kRecVecs = int(sizeof(smem.set_experts) / 16);
+    for (int i = threadIdx.x; i < kRecVecs; i += Cfg::kThreads) rec[i] = make_uint4(0, 0, 0, 0);
+    cutlass::arch::fence_view_async_shared();  // generic-proxy zeros → wgmma reads
+  }
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      FullBarrier::init(&smem.full[s], 128 + 1);  // producer threads + the TMA's expect-tx
-      EmptyBarrier::init(&smem.empty[s], 128 * Cfg::kConsumers);
+    for (int s = 0; s < kStagesX; ++s) {
+      FullBarrier::init(&smem.x_full[s], 1);  // the TMA issuer's expect-tx
+      Barrier::init(&smem.x_empty[s], 128 * Cfg::kConsumers);
     }
-    FullBarrier::init(&smem.w_full, 1);
+    for (int s = 0; s < kStagesG; ++s) {
+      Barrier::init(&smem.g_full[s], Cfg::kBuilders);
+      Barrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
+    }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -83,150 +99,227 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    const int thread = threadIdx.x;
-    Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));          // (H, T)
-    Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{}, make_coord(hc, _));  // (h, t, tile)
+    const int thread = threadIdx.x;  // builder of row `thread`; thread 0 also loads x
+    Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
+    Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{},
+                           make_coord(_, _));  // (h, t, slice, tile)
     auto [tXgX, tXsX] = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                      group_modes<0, 2>(gX));  // (TMA, tile), (TMA, stage)
-    if (thread == 0) {
-      Tensor mW = p.tma_w.get_tma_tensor(make_shape(p.hidden, kExperts));           // (H, E)
-      Tensor gW = local_tile(mW, Shape<Int<kTileH>, Int<kExperts>>{}, make_coord(hc, 0));  // (h, e)
-      auto [tWgW, tWsW] = tma_partition(p.tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                        group_modes<0, 2>(gW));
-      FullBarrier::arrive_and_expect_tx(&smem.w_full, Cfg::kWBytes);
-      copy(p.tma_w.with(smem.w_full), tWgW, tWsW);
-    }
+                                      group_modes<0, 2>(gX));  // (TMA, slice, tile), (TMA, stage)
+    auto load_x = [&](int n) {  // thread 0
+      const int64_t u = unit0 + n;
+      const int s = n % kStagesX;
+      Barrier::wait(&smem.x_empty[s], ((n / kStagesX) & 1) ^ 1);
+      FullBarrier::arrive_and_expect_tx(&smem.x_full[s], Cfg::kXBytes);
+      copy(p.tma_x.with(smem.x_full[s]), tXgX(_, int(u / tiles), int(u % tiles)), tXsX(_, s));
+    };
+    // Building G(n) waits for unit n - kStagesG to be released; so is then the x stage of
+    // unit n + kAhead: x is issued kAhead + 1 units before it is consumed.
+    constexpr int kAhead = kStagesX - kStagesG;
+    static_assert(kAhead >= 1, "x must run ahead of G");
+    if (thread == 0)
+      for (int n = 0; n < kAhead && n < count; ++n) load_x(n);
+    // Routing inputs are loaded one unit ahead: their latency hides behind a whole build.
     TokenRouting<Cfg::kTopK> next;
-    auto load = [&](int tile) {
-      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights, int64_t(tile) * kTileT + thread,
-                p.tokens);
+    auto load_routing = [&](int n) {
+      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
+                (unit0 + n) % tiles * kTileT + thread, p.tokens);
     };
-    if (num_tiles > 0) load(tile_begin);
-    for (int n = 0; n < num_tiles; ++n) {
-      const int s = n % kStages;
-      const uint32_t phase = (n / kStages) & 1;
-      const TokenRouting<Cfg::kTopK> cur = next;
-      if (n + 1 < num_tiles) load(tile_begin + n + 1);  // in flight while we wait
-      EmptyBarrier::wait(&smem.empty[s], phase ^ 1);
-      if (thread == 0) {
-        FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kXBytes);
-        copy(p.tma_x.with(smem.full[s]), tXgX(_, tile_begin + n), tXsX(_, s));
-      }
-      build_routing_grad_tile<kTileT, kExperts>(sG(_, _, s), thread, cur, p.scale, p.norm,
-                                                kBarProducer);
+    if (count > 0) load_routing(0);
+    for (int n = 0; n < count; ++n) {
+      const int s = n % kStagesG;
+      const TokenRouting<Cfg::kTopK> in = next;
+      if (n + 1 < count) load_routing(n + 1);
+      Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
+      if (thread == 0 && n + kAhead < count) load_x(n + kAhead);
+      update_routing_grad_row<kExperts>(sG(_, _, s), thread, smem.set_experts[s][thread], in,
+                                        p.scale, p.norm);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
-      FullBarrier::arrive(&smem.full[s]);
+      Barrier::arrive(&smem.g_full[s]);
     }
-  } else {
-    // ------------------------------------------------------------------ consumers
-    cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
-    const int ct = threadIdx.x - 128;  // consumer thread
-    const int wg = ct / 128;           // consumer warpgroup
-    typename Cfg::MmaDgrad mma_d;
-    typename Cfg::MmaWgrad mma_w;
-    auto thr_d = mma_d.get_thread_slice(ct);
-    auto thr_w = mma_w.get_thread_slice(ct);
+    return;
+  }
 
-    Tensor tDsG = thr_d.partition_A(sG);    // (MMA, MMA_M, MMA_K, stage)
-    Tensor tDsW = thr_d.partition_B(sW);    // (MMA, MMA_N, MMA_K)
-    Tensor tWsX = thr_w.partition_A(sX);    // (MMA, MMA_M, MMA_K, stage)
-    Tensor tWsGt = thr_w.partition_B(sGt);  // (MMA, MMA_N, MMA_K, stage)
-    Tensor tDrG = thr_d.make_fragment_A(tDsG);
-    Tensor tDrW = thr_d.make_fragment_B(tDsW);
-    Tensor tWrX = thr_w.make_fragment_A(tWsX);
-    Tensor tWrGt = thr_w.make_fragment_B(tWsGt);
+  // -------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  const int ct = threadIdx.x - 128;  // consumer thread
+  const int wg = ct / 128;           // consumer warpgroup: hidden columns [64 wg, 64 wg + 64)
+  const bool leader = (ct % 128) == 0;
+  typename Cfg::MmaDgrad mma_d;
+  typename Cfg::MmaWgrad mma_w;
+  auto thr_d = mma_d.get_thread_slice(ct);
+  auto thr_w = mma_w.get_thread_slice(ct);
 
-    Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileT>, Int<kTileH>>{});    // (t, h)
-    Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
-    Tensor tDsGX = thr_d.partition_C(sGXt);  // this thread's (t, h) staging slots
-    clear(acc_w);
+  // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
+  Tensor mWt = make_tensor(make_gmem_ptr(p.w), make_shape(p.hidden, Int<kExperts>{}),
+                           make_stride(_1{}, int64_t(p.hidden)));  // (H, E)
+  Tensor gWt = local_tile(mWt, Shape<Int<kTileH>, Int<kExperts>>{},
+                          make_coord(_, 0));   // (h, e, slice)
+  Tensor tDgW = thr_d.partition_A(gWt);        // (MMA, MMA_M, MMA_K, slice)
+  Tensor tDrW = thr_d.partition_fragment_A(gWt(_, _, 0));  // (MMA, MMA_M, MMA_K)
 
-    // grad_x store: (TMA, half) ← staging, (TMA, 2·tile + half) → global.
-    Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));
-    Tensor gGX = local_tile(mGX, Shape<Int<kTileH>, Int<kTileT / 2>>{}, make_coord(hc, _));
-    auto [tSgGX, tSsGX] = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGX),
-                                        group_modes<0, 2>(gGX));
-    const bool store_leader = (ct % 128) == 0;
+  Tensor tDsG = thr_d.partition_B(sG);    // (MMA, MMA_N, MMA_K, stage)
+  Tensor tDrG = thr_d.make_fragment_B(tDsG);
+  Tensor tWsX = thr_w.partition_A(sX);    // (MMA, MMA_M, MMA_K, stage)
+  Tensor tWsGt = thr_w.partition_B(sGt);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tWrX = thr_w.make_fragment_A(tWsX);
+  Tensor tWrGt = thr_w.make_fragment_B(tWsGt);
 
-    FullBarrier::wait(&smem.w_full, 0);
-    for (int n = 0; n < num_tiles; ++n) {
-      const int s = n % kStages;
-      const uint32_t phase = (n / kStages) & 1;
-      FullBarrier::wait(&smem.full[s], phase);
+  Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileH>, Int<kTileT>>{});    // (h, t)
+  Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
 
-      warpgroup_fence_operand(acc_d);
-      warpgroup_fence_operand(acc_w);
-      warpgroup_arrive();
-      mma_d.accumulate_ = GMMA::ScaleOut::Zero;
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tDrG); ++k) {
-        gemm(mma_d, tDrG(_, _, k, s), tDrW(_, _, k), acc_d);
-        mma_d.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, s), tWrGt(_, _, k, s), acc_w);
-      warpgroup_commit_batch();
+  // grad_x: accumulator → staging (h, t) → TMA store of this warpgroup's 64 h × kTileT box.
+  auto copy_gx = make_tiled_copy_C(typename Cfg::CopyGX{}, mma_d);
+  auto thr_cp = copy_gx.get_thread_slice(ct);
+  Tensor tCsGX = thr_cp.partition_D(sGX);  // (CPY, CPY_M, CPY_N)
+  Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + wg * cosize_v<typename Cfg::SmemLayoutGXHalf>),
+                            typename Cfg::SmemLayoutGXHalf{});  // (h/2, t)
+  Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
+  Tensor gGX = local_tile(mGX, Shape<Int<kTileH / 2>, Int<kTileT>>{},
+                          make_coord(_, _));  // (h/2, t, half-slice, tile)
+  auto store_part = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGXh),
+                                  group_modes<0, 2>(gGX));
+  Tensor tSgGX = get<0>(store_part);  // (TMA, half-slice, tile)
+  Tensor tSsGX = get<1>(store_part);  // (TMA)
 
-      // dgrad done: stage grad_x while wgrad runs on.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc_d);
-      if (store_leader) tma_store_wait<0>();  // the staging's previous store has read it
-      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-      Tensor tDrGX = make_fragment_like<Elem>(acc_d);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_d); ++i) tDrGX(i) = Elem(acc_d(i));
-      copy(AutoVectorizingCopy{}, tDrGX, tDsGX);  // bf16 pairs: adjacent h
-      cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
-      cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-      if (store_leader) {
-        copy(p.tma_gx, tSsGX(_, wg), tSgGX(_, 2 * (tile_begin + n) + wg));
-        tma_store_arrive();
-      }
-
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_w);
-      EmptyBarrier::arrive(&smem.empty[s]);
+  auto load_w = [&](int64_t slice) {
+    Tensor src = tDgW(_, _, _, slice);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tDrW); ++i) tDrW(i) = src(i);
+  };
+  auto wait_unit = [&](int n) {
+    Barrier::wait(&smem.x_full[n % kStagesX], (n / kStagesX) & 1);
+    Barrier::wait(&smem.g_full[n % kStagesG], (n / kStagesG) & 1);
+  };
+  auto release_unit = [&](int n) {
+    Barrier::arrive(&smem.x_empty[n % kStagesX]);
+    Barrier::arrive(&smem.g_empty[n % kStagesG]);
+  };
+  auto issue_dgrad = [&](int n) {
+    const int s = n % kStagesG;
+    warpgroup_fence_operand(tDrW);
+    warpgroup_fence_operand(acc_d);
+    warpgroup_arrive();
+    mma_d.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tDrW); ++k) {
+      gemm(mma_d, tDrW(_, _, k), tDrG(_, _, k, s), acc_d);
+      mma_d.accumulate_ = GMMA::ScaleOut::One;
     }
-    if (store_leader) tma_store_wait<0>();
-
-    // ---------------------------------------------------------------- grad_w
-    const int64_t H = p.hidden;
-    const int h0 = hc * kTileH;
-    auto view = [&](float* base) {  // (h, e) of this CTA's slice
-      return make_tensor(make_gmem_ptr(base + h0),
-                         make_layout(Shape<Int<kTileH>, Int<kExperts>>{}, make_stride(_1{}, H)));
-    };
-    if (p.splits == 1) {
-      Tensor tWgW = thr_w.partition_C(view(p.grad_w));
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i)
-        tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
-      return;
+    warpgroup_commit_batch();
+  };
+  auto issue_wgrad = [&](int n) {
+    const int xs = n % kStagesX, gs = n % kStagesG;
+    warpgroup_fence_operand(acc_w);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, xs), tWrGt(_, _, k, gs), acc_w);
+    warpgroup_commit_batch();
+  };
+  auto store_grad_x = [&](int64_t slice, int64_t tile) {
+    if (leader) tma_store_wait<0>();  // the previous store has read the staging
+    cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+    Tensor frag = make_tensor_like<Elem>(acc_d);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_d); ++i) frag(i) = Elem(acc_d(i));
+    copy(copy_gx, thr_cp.retile_S(frag), tCsGX);
+    cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
+    cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+    if (leader) {
+      copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
+      tma_store_arrive();
     }
-    Tensor tWgP = thr_w.partition_C(view(p.partials + int64_t(split) * kExperts * H));
+  };
+
+  const int64_t H = p.hidden;
+  constexpr int kSlotFloats = kExperts * kTileH;
+  auto partial = [&](int64_t slice, int c) {
+    return p.partials + LinearSchedule::slot(slice, c) * kSlotFloats;  // [E][kTileH]
+  };
+  // grad_w of a segment: straight to grad_w when the segment is the whole slice, else a
+  // partial and a ticket. Returns whether this CTA is the slice's last contributor, which
+  // sums the partials once the tensor-core loop is over (only a CTA's first and last segments
+  // can be partial: at most two per CTA).
+  auto flush_grad_w = [&](int64_t slice, bool whole) -> bool {
+    if (whole) {
+      Tensor gW = make_tensor(make_gmem_ptr(p.grad_w + slice * kTileH),
+                              make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
+                                          make_stride(_1{}, H)));  // (h, e)
+      Tensor tWgW = thr_w.partition_C(gW);
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+      return false;
+    }
+    Tensor gP = make_tensor(make_gmem_ptr(partial(slice, cta)),
+                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
+                                        make_stride(_1{}, Int<kTileH>{})));  // (h, e)
+    Tensor tWgP = thr_w.partition_C(gP);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i) tWgP(i) = acc_w(i);
     __threadfence();
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    if (ct == 0) smem.last_split = atomicAdd(p.tickets + hc, 1) == p.splits - 1;
+    if (ct == 0) {
+      const int contributors = sched.last_cta(slice) - sched.first_cta(slice) + 1;
+      smem.last_contributor = atomicAdd(p.tickets + slice, 1) == contributors - 1;
+    }
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    if (!smem.last_split) return;
+    // Broadcast from lane 0, so that the compiler sees a warp-uniform value.
+    return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
+  };
+  // The partials of a slice summed in CTA order: the same bits whichever CTA finishes last.
+  auto reduce_grad_w = [&](int64_t slice) {
     __threadfence();
-    // Sum the partials in split order: the same bits whichever CTA finishes last.
+    const int first = sched.first_cta(slice), last = sched.last_cta(slice);
+    const int64_t h0 = slice * kTileH;
     constexpr int kVecsPerRow = kTileH / 4;
     for (int i = ct; i < kExperts * kVecsPerRow; i += 256) {
-      const int e = i / kVecsPerRow, h = h0 + (i % kVecsPerRow) * 4;
-      float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + h);
+      const int e = i / kVecsPerRow, h = (i % kVecsPerRow) * 4;
+      float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + h0 + h);
       float4 sum = p.accumulate ? *dst : make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int sp = 0; sp < p.splits; ++sp) {
-        float4 v = __ldcg(reinterpret_cast<const float4*>(p.partials + (int64_t(sp) * kExperts + e) * H + h));
+      for (int c = first; c <= last; ++c) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(partial(slice, c) + e * kTileH + h));
         sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
       }
       *dst = sum;
     }
-    if (ct == 0) p.tickets[hc] = 0;  // ready for the next launch
+    if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
+  };
+
+  int64_t reduce0 = -1, reduce1 = -1;  // slices this CTA sums at the end
+  if (count > 0) {
+    int64_t seg_first_tile = unit0 % tiles;
+    load_w(unit0 / tiles);
+    clear(acc_w);
+    warpgroup_fence_operand(acc_w);
+    for (int n = 0; n < count; ++n) {
+      const int64_t u = unit0 + n, slice = u / tiles, tile = u % tiles;
+      wait_unit(n);
+      issue_dgrad(n);
+      issue_wgrad(n);
+      warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
+      warpgroup_fence_operand(acc_d);
+      store_grad_x(slice, tile);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_w);
+      release_unit(n);
+      const bool segment_ends = n + 1 == count || tile == tiles - 1;
+      if (segment_ends) {
+        const bool mine = flush_grad_w(slice, seg_first_tile == 0 && tile == tiles - 1);
+        const int64_t r0 = mine && reduce0 < 0 ? slice : reduce0;
+        reduce1 = mine && reduce0 >= 0 ? slice : reduce1;
+        reduce0 = r0;
+        if (n + 1 < count) {
+          seg_first_tile = 0;
+          load_w(slice + 1);
+          clear(acc_w);
+          warpgroup_fence_operand(acc_w);
+        }
+      }
+    }
   }
+  warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
+  if (reduce0 >= 0) reduce_grad_w(reduce0);
+  if (reduce1 >= 0) reduce_grad_w(reduce1);
+  if (leader) tma_store_wait<0>();
 }
 
 }  // namespace moe_routing::kernels::fused_backward

@@ -1,0 +1,35 @@
+// Persistent schedule of the fused backward: the units (slice, token tile), numbered slice by
+// slice, are cut into `ctas` contiguous ranges of nearly equal length, one per CTA. A range
+// may end inside one slice and continue into the next, so every SM gets the same amount of
+// work whatever the number of slices; each (slice, CTA) pair is a segment, with its own grad_w
+// partial, summed in CTA order (deterministic).
+#pragma once
+
+#include <cstdint>
+
+namespace moe_routing::kernels::fused_backward {
+
+struct LinearSchedule {
+  int64_t tiles = 0;   // token tiles per slice
+  int64_t slices = 0;  // hidden slices
+  int ctas = 1;
+
+  __host__ __device__ int64_t units() const { return tiles * slices; }
+  // First unit of CTA c (c = ctas gives the end).
+  __host__ __device__ int64_t begin(int c) const { return int64_t(c) * units() / ctas; }
+  // The CTA whose range holds unit u.
+  __host__ __device__ int cta_of(int64_t u) const {
+    int c = int(u * ctas / units());
+    while (c + 1 < ctas && begin(c + 1) <= u) ++c;
+    while (c > 0 && begin(c) > u) --c;
+    return c;
+  }
+  // CTAs contributing to slice s, first and last.
+  __host__ __device__ int first_cta(int64_t s) const { return cta_of(s * tiles); }
+  __host__ __device__ int last_cta(int64_t s) const { return cta_of(s * tiles + tiles - 1); }
+  // Partial slot of (slice s, CTA c): unique, since a later CTA never works on an earlier
+  // slice; fewer than ctas + slices slots.
+  __host__ __device__ static int64_t slot(int64_t s, int c) { return s + c; }
+};
+
+}  // namespace moe_routing::kernels::fused_backward
