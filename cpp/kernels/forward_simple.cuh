@@ -15,6 +15,8 @@ struct ForwardParams {
   int32_t* topk_idx;       // [T, K]
   float* topk_weights;     // [T, K]
   float* topk_scores;      // [T, K]
+  float* scores;           // [T, E] or null
+  int32_t* counts;         // [E] (zeroed by the host) or null
   int64_t tokens;
   int hidden, experts, top_k, n_group, topk_group;
   float scale;
@@ -60,6 +62,8 @@ __global__ void __launch_bounds__(kForwardThreads) router_forward_simple(Forward
     }
   }
   __syncthreads();
+  if (p.scores)
+    for (int e = threadIdx.x; e < E; e += kForwardThreads) p.scores[t * E + e] = score[e];
   if (warp != 0) return;
 
   const int per_group = E / p.n_group;
@@ -109,6 +113,7 @@ __global__ void __launch_bounds__(kForwardThreads) router_forward_simple(Forward
     p.topk_idx[o] = my_idx;
     p.topk_weights[o] = wgt;
     p.topk_scores[o] = s;
+    if (p.counts) atomicAdd(p.counts + my_idx, 1);
   }
 }
 

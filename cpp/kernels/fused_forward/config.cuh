@@ -1,0 +1,87 @@
+// Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
+//
+// A cluster of kSplit CTAs owns one tile of kTileT tokens and all E experts; CTA r of the
+// cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
+// Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
+//   sX  (t, h, stage)  the x tile              wgmma A
+//   sW  (e, h, stage)  the w slice, all E rows  wgmma B
+// Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers,
+// 64 tokens each. After the main loop the pipeline buffers are reused as the reduction
+// buffer sRed: every CTA of the cluster writes its partial logits into the CTA that owns
+// the rows (distributed shared memory), and the owner sums them in rank order.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace moe_routing::kernels::fused_forward {
+
+using namespace cute;
+
+template <int kExperts_>
+struct Config {
+  static constexpr int kExperts = kExperts_;
+  static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup
+  static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
+  static constexpr int kStages = 6;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg: the consumers gain only what the producer gives up (168 per thread at 384).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * 168,
+                "register reallocation must balance");
+  static constexpr int kMaxSplit = 8;  // portable cluster size
+
+  static_assert(kExperts % 8 == 0 && kExperts >= 8 && kExperts <= 256,
+                "E: wgmma N is a multiple of 8 up to 256; SW128 atoms are 8 rows");
+
+  using Elem = cutlass::bfloat16_t;
+  using TileT = Int<kTileT>;
+  using TileH = Int<kTileH>;
+  using Experts = Int<kExperts>;
+  using Stages = Int<kStages>;
+
+  // (t, h, stage) and (e, h, stage): K-major, 128-byte swizzle; a TMA box is one stage.
+  using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<TileT, TileH, Stages>{}));
+  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Experts, TileH, Stages>{}));
+
+  // 128 × E per cluster, two warpgroups along t.
+  using Mma = decltype(make_tiled_mma(
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, TileH>, GMMA::Major::K,
+                                 GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+
+  static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * int(sizeof(Elem));
+
+  // Reduction buffer (fp32): [kSplit source ranks][kTileT / kSplit owned rows][kRedStride].
+  // The +8 padding makes the accumulator's float stores (8 rows × 4 column pairs per warp)
+  // and the routing's row reads (4 rows × 8 columns) bank-conflict free.
+  static constexpr int kRedStride = kExperts + 8;
+  // After it, one scratch row per token of a routing pass (32 tokens).
+  static constexpr int kScratchRows = 32;
+  static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
+
+  struct alignas(1024) SharedStorage {
+    // Pipeline buffers during the main loop, reduction buffer after it.
+    union alignas(1024) {
+      struct {
+        alignas(1024) Elem x[cosize_v<SmemLayoutX>];
+        alignas(1024) Elem w[cosize_v<SmemLayoutW>];
+      } pipe;
+      alignas(16) float red[(kTileT + kScratchRows) * kRedStride];
+    } buf;
+    alignas(16) int counts[kExperts];    // per-expert token counts of the CTA (optional output)
+    alignas(8) uint64_t full[kStages];   // TMA landed (expect-tx)
+    alignas(8) uint64_t empty[kStages];  // both consumer warpgroups done reading
+  };
+  static_assert(sizeof(SharedStorage::buf) >= kRedBytes, "reduction buffer");
+  static_assert(kStageBytes == (cosize_v<SmemLayoutX> + cosize_v<SmemLayoutW>) * 2 / kStages,
+                "TMA transaction bytes per stage");
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+}  // namespace moe_routing::kernels::fused_forward

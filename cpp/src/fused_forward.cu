@@ -1,0 +1,76 @@
+// Dispatch of the fused forward: the cluster size (split of the hidden dimension) per T.
+#include <atomic>
+#include <cstdint>
+
+#include "fused_forward.h"
+#include "launch.h"
+
+namespace moe_routing::detail {
+namespace {
+
+constexpr int64_t kTileT = 128, kTileH = 64;
+constexpr int kSplits[] = {1, 2, 4, 8};
+// Per-CTA cost that does not shrink with the split (pipeline fill, reduction, routing), in
+// hidden blocks of 64.
+constexpr int64_t kFixedBlocks = 6;
+
+// Active clusters per split size for one device, read once: the split, hence the order of
+// the logit summation, depends only on the device and T.
+struct Occupancy {
+  std::atomic<int> clusters[4];
+};
+
+int active_clusters(int device, int which, int64_t experts) {
+  static Occupancy cached[64] = {};
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device].clusters[which] : nullptr;
+  if (slot) {
+    if (int n = slot->load(std::memory_order_relaxed); n > 0) return n;
+  }
+  int n = 0;
+  switch (experts) {
+    case 160: n = fused_forward_active_clusters<160>(kSplits[which]); break;
+    default: break;
+  }
+  if (slot && n > 0) slot->store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// The split with the least estimated time: waves of clusters × blocks per CTA.
+int plan(const RouterConfig& cfg, int64_t tokens, int device) {
+  const int64_t tiles = ceil_div(tokens, kTileT);
+  const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int which = 0; which < 4; ++which) {
+    const int split = kSplits[which];
+    if (split > hblocks) break;
+    const int clusters = active_clusters(device, which, cfg.n_routed_experts);
+    if (clusters <= 0) continue;
+    const int64_t waves = ceil_div(tiles, clusters);
+    const int64_t cost = waves * (ceil_div(hblocks, split) + kFixedBlocks);
+    if (cost < best_cost) best = split, best_cost = cost;  // ties keep the smaller split
+  }
+  return best;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
+  // The routing epilogue keeps the kept groups in a 32-bit mask; TMA needs 16-byte aligned
+  // bases and row strides (H % 8 == 0 is validated); the cluster needs hblocks >= 1.
+  return cfg.n_routed_experts == 160 && cfg.n_group <= 32 && cfg.num_experts_per_tok <= 16 &&
+         aligned16(a.x.data) && aligned16(a.w.data) && a.tokens <= int64_t(INT32_MAX);
+}
+
+Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int device,
+                            cudaStream_t stream) {
+  const int split = plan(cfg, a.tokens, device);
+  switch (cfg.n_routed_experts) {
+    case 160: return launch_fused_forward_e<160>(cfg, a, split, stream);
+    default: return Status::kUnsupported;
+  }
+}
+
+}  // namespace moe_routing::detail
