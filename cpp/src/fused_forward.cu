@@ -9,7 +9,8 @@ namespace moe_routing::detail {
 namespace {
 
 constexpr int64_t kTileT = 128, kTileH = 64;
-constexpr int kSplits[] = {1, 2, 4, 8};
+constexpr int kSplits[] = {1, 2, 4, 8, 16};
+constexpr int kNumSplits = int(sizeof(kSplits) / sizeof(kSplits[0]));
 // Per-CTA cost that does not shrink with the split (pipeline fill, reduction, routing), in
 // hidden blocks of 64.
 constexpr int64_t kFixedBlocks = 6;
@@ -17,21 +18,21 @@ constexpr int64_t kFixedBlocks = 6;
 // Active clusters per split size for one device, read once: the split, hence the order of
 // the logit summation, depends only on the device and T.
 struct Occupancy {
-  std::atomic<int> clusters[4];
+  std::atomic<int> clusters[kNumSplits];
 };
 
 int active_clusters(int device, int which, int64_t experts) {
   static Occupancy cached[64] = {};
   std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device].clusters[which] : nullptr;
-  if (slot) {
-    if (int n = slot->load(std::memory_order_relaxed); n > 0) return n;
+  if (slot) {  // 0: not asked yet; -1: the device has no room for such clusters
+    if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
   int n = 0;
   switch (experts) {
     case 160: n = fused_forward_active_clusters<160>(kSplits[which]); break;
     default: break;
   }
-  if (slot && n > 0) slot->store(n, std::memory_order_relaxed);
+  if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
 
@@ -41,7 +42,7 @@ int plan(const RouterConfig& cfg, int64_t tokens, int device) {
   const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
   int best = 1;
   int64_t best_cost = INT64_MAX;
-  for (int which = 0; which < 4; ++which) {
+  for (int which = 0; which < kNumSplits; ++which) {
     const int split = kSplits[which];
     if (split > hblocks) break;
     const int clusters = active_clusters(device, which, cfg.n_routed_experts);

@@ -12,7 +12,7 @@ Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, in
                             cudaStream_t stream);
 
 // One instantiation per expert count, each in its own translation unit. `split`: cluster size
-// (CTAs sharing a token tile along the hidden dimension), 1, 2, 4 or 8.
+// (CTAs sharing a token tile along the hidden dimension), 1, 2, 4, 8 or 16.
 template <int kExperts>
 Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& args, int split,
                               cudaStream_t stream);

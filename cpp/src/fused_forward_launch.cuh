@@ -47,6 +47,9 @@ struct Kernel {
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
         s != Status::kSuccess)
       return s;
+    // Clusters of 16: allowed where the device has them (the occupancy query says).
+    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    (void)cudaGetLastError();
     smem_set.fetch_or(bit, std::memory_order_release);
     return Status::kSuccess;
   }

@@ -31,7 +31,9 @@ struct Config {
   static constexpr int kConsumerRegs = 232;
   static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * 168,
                 "register reallocation must balance");
-  static constexpr int kMaxSplit = 8;  // portable cluster size
+  // Largest cluster: 16 (non-portable, where the device allows it) leaves 8 rows per CTA.
+  static constexpr int kMaxSplit = 16;
+  static_assert(kTileT % kMaxSplit == 0, "rows per CTA");
 
   static_assert(kExperts % 8 == 0 && kExperts >= 8 && kExperts <= 256,
                 "E: wgmma N is a multiple of 8 up to 256; SW128 atoms are 8 rows");

@@ -1,6 +1,6 @@
 // The fused forward kernel (sm90a): logits = x·wᵀ (bf16 → fp32) and the whole routing in one pass.
 //
-// Grid: kSplit·⌈T/128⌉ CTAs in clusters of kSplit (cluster size 1, 2, 4 or 8, chosen per T by
+// Grid: kSplit·⌈T/128⌉ CTAs in clusters of kSplit (cluster size 1, 2, 4, 8 or 16, chosen per T by
 // the host so that the grid fills the SMs); the cluster owns one 128-token tile and splits the
 // hidden dimension among its CTAs.
 // Warp roles (three warpgroups, one CTA per SM):
