@@ -13,10 +13,27 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
+// The extended wgmma shapes (64×160), which cute/tensor.hpp includes only with
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED; after it, since they build on its GMMA definitions.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
 
 namespace moe_routing::kernels::fused_forward {
 
 using namespace cute;
+
+// The bf16 → fp32 wgmma with N = E, both operands K-major in shared memory.
+template <int kN>
+CUTE_HOST_DEVICE constexpr auto wgmma_atom() {
+  using namespace SM90::GMMA;
+  constexpr auto K = GMMA::Major::K;
+  if constexpr (kN == 160) return MMA_64x160x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 256) return MMA_64x256x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 128) return MMA_64x128x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 64) return MMA_64x64x16_F32BF16BF16_SS<K, K>{};
+  else return ss_op_selector<cutlass::bfloat16_t, cutlass::bfloat16_t, float,
+                             Shape<_64, Int<kN>, _64>, K, K>();
+}
 
 template <int kExperts_>
 struct Config {
@@ -50,11 +67,13 @@ struct Config {
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                              Shape<Experts, TileH, Stages>{}));
 
-  // 128 × E per cluster, two warpgroups along t.
-  using Mma = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, TileH>, GMMA::Major::K,
-                                 GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
+  // 128 × E per CTA, two warpgroups along t, one 64×E×16 wgmma per k-step. Named directly:
+  // ss_op_selector offers N = E only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED and would
+  // otherwise tile E = 160 with five 64×32 atoms, reading A from shared memory five times.
+  using MmaAtom = decltype(wgmma_atom<kExperts>());
+  using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{}));
+  static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) == kExperts,
+                "one wgmma spans all experts");
 
   static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * int(sizeof(Elem));
 

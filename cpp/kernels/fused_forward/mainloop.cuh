@@ -33,6 +33,8 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
                                     group_modes<0, 2>(gX));  // (TMA, kb), (TMA, stage)
   auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
                                     group_modes<0, 2>(gW));  // (TMA, kb), (TMA, stage)
+  prefetch_tma_descriptor(tma_x.get_tma_descriptor());
+  prefetch_tma_descriptor(tma_w.get_tma_descriptor());
   for (int n = 0; kb_begin + n < kb_end; ++n) {
     const int s = n % kStages;
     const uint32_t phase = (n / kStages) & 1;
@@ -40,8 +42,11 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
     // Out-of-bounds rows (token tail) and columns (hidden tail) arrive as zeros and count
     // in full toward the transaction bytes.
     FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kStageBytes);
-    copy(tma_x.with(smem.full[s]), tXgX(_, kb_begin + n), tXsX(_, s));
-    copy(tma_w.with(smem.full[s]), tWgW(_, kb_begin + n), tWsW(_, s));
+    // x is read once: evict first; w is read by every token tile: keep it in L2.
+    copy(tma_x.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_FIRST), tXgX(_, kb_begin + n),
+         tXsX(_, s));
+    copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_LAST), tWgW(_, kb_begin + n),
+         tWsW(_, s));
   }
 }
 
