@@ -122,6 +122,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   float bias[Route::kPer];
   CUTE_UNROLL
   for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
+  int gid[Route::kPer];
+  Route::groups(p.route, gid);
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
                      p.counts ? smem.counts : nullptr};
   const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
         for (int s = 0; s < split; ++s) v += smem.buf.red[(s * rows + r) * kStride + sub + kRouteWidth * i];
       logit[i] = v;
     }
-    Route::run(logit, bias, choice_row, p.route, out, t, in && t < p.tokens);
+    Route::run(logit, bias, gid, choice_row, p.route, out, t, in && t < p.tokens);
   }
 
   if (p.counts) {

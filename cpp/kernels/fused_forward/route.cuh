@@ -43,11 +43,20 @@ struct TokenRoute {
   static constexpr int kGroupSlots = (kMaxGroups + kWidth - 1) / kWidth;
   static constexpr int kSelSlots = (16 + kWidth - 1) / kWidth;  // top_k <= 16
 
+  // Group of each of the lane's experts (token-independent: computed once per thread).
+  __device__ __forceinline__ static void groups(const RouteParams& p, int (&gid)[kPer]) {
+    const int sub = threadIdx.x % kWidth;
+    const int per_group = kExperts / p.n_group;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) gid[i] = (sub + kWidth * i) / per_group;
+  }
+
   // Called by all 32 lanes (shuffles); `valid` false: compute, write nothing.
   // `choice_row`: E floats of shared scratch private to this token's lanes.
   __device__ __forceinline__ static void run(const float (&logit)[kPer], const float (&bias)[kPer],
-                                             float* choice_row, const RouteParams& p,
-                                             const RouteOut& out, int64_t t, bool valid) {
+                                             const int (&gid)[kPer], float* choice_row,
+                                             const RouteParams& p, const RouteOut& out, int64_t t,
+                                             bool valid) {
     const int sub = threadIdx.x % kWidth;
     float score[kPer];
     uint64_t key[kPer];
@@ -92,7 +101,7 @@ struct TokenRoute {
       }
 #pragma unroll
       for (int i = 0; i < kPer; ++i)
-        if (!((kept >> ((sub + kWidth * i) / per_group)) & 1u)) key[i] = 0;
+        if (!((kept >> gid[i]) & 1u)) key[i] = 0;
       __syncwarp();  // choice_row reads done before the next token overwrites it
     }
 
@@ -101,16 +110,19 @@ struct TokenRoute {
 #pragma unroll
     for (int j = 0; j < kSelSlots; ++j) sel_idx[j] = 0, sel_score[j] = 0.0f;
     float sum = 0.0f;
-    for (int k = 0; k < p.top_k; ++k) {
-      uint64_t best = 0;
+    uint64_t local = 0;  // the lane's best remaining candidate
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) best = key[i] > best ? key[i] : best;
-      best = group_max_u64<kWidth>(best);
+    for (int i = 0; i < kPer; ++i) local = key[i] > local ? key[i] : local;
+    for (int k = 0; k < p.top_k; ++k) {
+      const uint64_t best = group_max_u64<kWidth>(local);
       const int e = key_index(best);
       float mine = 0.0f;
+      local = 0;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (key[i] == best) mine = score[i], key[i] = 0;  // keys are unique: only the owner
+      for (int i = 0; i < kPer; ++i) {  // take the winner out (keys are unique: only its owner)
+        if (key[i] == best) mine = score[i], key[i] = 0;
+        local = key[i] > local ? key[i] : local;
+      }
       const float s = __shfl_sync(0xFFFFFFFFu, mine, e % kWidth, kWidth);
       sum += s;  // selection order: the same bits every run
 #pragma unroll
