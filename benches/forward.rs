@@ -44,10 +44,11 @@ const MIN_ROTATED_BYTES: f64 = 2.0 * 50.0 * 1024.0 * 1024.0;
 /// At least two sets so that consecutive calls never share buffers; at most 64.
 const MIN_SETS: usize = 2;
 const MAX_SETS: usize = 64;
-/// The baseline computes the logits in another summation order, so near ties may pick other
-/// experts: at most this fraction of tokens may differ in indices; the others must agree in
-/// weights and scores to this relative error.
-const MAX_DIFFERING_ROWS: f64 = 2e-3;
+/// The baseline computes the logits in another summation order, so near ties may order or
+/// pick experts differently: at most this fraction of tokens may differ in indices (a wrong
+/// transpose or leading dimension makes nearly all differ); the others must agree in weights
+/// and scores to this relative error.
+const MAX_DIFFERING_ROWS: f64 = 1e-2;
 const WEIGHT_TOL: f32 = 1e-4;
 
 fn main() {
