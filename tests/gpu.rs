@@ -818,7 +818,7 @@ fn extreme_inputs(s: &Arc<CudaStream>) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The fused forward (E = 160): token tails, hidden tails, cluster splits, group shapes.
+// The fused forward (E = 64, 128, 160, 256): token and hidden tails, cluster splits, groups.
 
 fn fused_configs() -> Vec<(RouterConfig, usize)> {
     let glm = RouterConfig::glm45;
@@ -879,6 +879,38 @@ fn fused_configs() -> Vec<(RouterConfig, usize)> {
             },
             600,
         ),
+        // The other instantiations: E = 256 (DeepSeek-V3: H 7168, 8 groups keep 4), 128, 64.
+        (
+            RouterConfig {
+                n_routed_experts: 256,
+                hidden_size: 7168,
+                ..glm(8, 4)
+            },
+            3001,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 256,
+                num_experts_per_tok: 16,
+                ..glm(32, 7)
+            },
+            129,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 128,
+                ..glm(4, 2)
+            },
+            1000,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 64,
+                hidden_size: 2048,
+                ..glm(8, 3)
+            },
+            513,
+        ),
     ]
 }
 
@@ -902,7 +934,7 @@ fn forward_fused_shapes(s: &Arc<CudaStream>) {
     }
 }
 
-/// Exact ties and NaN, on the fused path (E = 160) and the simple one (E = 64): every expert
+/// Exact ties and NaN, on the fused path (E = 160, 256) and the simple one (E = 96): every expert
 /// has the same weight row, so scores tie exactly unless the bias or a NaN separates them.
 ///   - ties: equal values rank the lower expert index first (experts and groups);
 ///   - a token whose scores are all NaN gets the K lowest indices (of the first groups);
@@ -910,9 +942,10 @@ fn forward_fused_shapes(s: &Arc<CudaStream>) {
 fn forward_ties_and_nan(s: &Arc<CudaStream>) {
     let seed = fresh_seed();
     let mut rng = Rng::new(seed);
+    // E = 96 has no fused instantiation: the simple path.
     let small = RouterConfig {
         hidden_size: 256,
-        n_routed_experts: 64,
+        n_routed_experts: 96,
         num_experts_per_tok: 8,
         n_group: 1,
         topk_group: 1,
@@ -923,6 +956,11 @@ fn forward_ties_and_nan(s: &Arc<CudaStream>) {
         RouterConfig::glm45(1, 1),
         RouterConfig::glm45(8, 4),
         RouterConfig::glm45(16, 8),
+        RouterConfig {
+            n_routed_experts: 256,
+            hidden_size: 7168,
+            ..RouterConfig::glm45(8, 4)
+        },
         small,
         RouterConfig {
             n_group: 8,
@@ -1011,7 +1049,7 @@ fn forward_ties_and_nan(s: &Arc<CudaStream>) {
 fn forward_optional_outputs(s: &Arc<CudaStream>) {
     let small = RouterConfig {
         hidden_size: 256,
-        n_routed_experts: 64,
+        n_routed_experts: 96, // no fused instantiation: the simple path
         num_experts_per_tok: 6,
         n_group: 8,
         topk_group: 3,

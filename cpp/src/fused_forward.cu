@@ -28,8 +28,12 @@ int active_clusters(int device, int which, int64_t experts) {
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
   int n = 0;
+  const int split = kSplits[which];
   switch (experts) {
-    case 160: n = fused_forward_active_clusters<160>(kSplits[which]); break;
+    case 64: n = fused_forward_active_clusters<64>(split); break;
+    case 128: n = fused_forward_active_clusters<128>(split); break;
+    case 160: n = fused_forward_active_clusters<160>(split); break;
+    case 256: n = fused_forward_active_clusters<256>(split); break;
     default: break;
   }
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
@@ -61,7 +65,9 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
   // The routing epilogue keeps the kept groups in a 32-bit mask; TMA needs 16-byte aligned
   // bases and row strides (H % 8 == 0 is validated); the cluster needs hblocks >= 1.
-  return cfg.n_routed_experts == 160 && cfg.n_group <= 32 && cfg.num_experts_per_tok <= 16 &&
+  const int64_t e = cfg.n_routed_experts;
+  return (e == 64 || e == 128 || e == 160 || e == 256) && cfg.n_group <= 32 &&
+         cfg.num_experts_per_tok <= 16 &&
          aligned16(a.x.data) && aligned16(a.w.data) && a.tokens <= int64_t(INT32_MAX);
 }
 
@@ -69,7 +75,10 @@ Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int d
                             cudaStream_t stream) {
   const int split = plan(cfg, a.tokens, device);
   switch (cfg.n_routed_experts) {
+    case 64: return launch_fused_forward_e<64>(cfg, a, split, stream);
+    case 128: return launch_fused_forward_e<128>(cfg, a, split, stream);
     case 160: return launch_fused_forward_e<160>(cfg, a, split, stream);
+    case 256: return launch_fused_forward_e<256>(cfg, a, split, stream);
     default: return Status::kUnsupported;
   }
 }

@@ -40,7 +40,9 @@ struct Config {
   static constexpr int kExperts = kExperts_;
   static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup
   static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
-  static constexpr int kStages = 6;
+  // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256.
+  static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * 2;  // bf16 x and w tiles
+  static constexpr int kStages = (220 * 1024) / kStageBytes < 6 ? (220 * 1024) / kStageBytes : 6;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   // setmaxnreg: the consumers gain only what the producer gives up (168 per thread at 384).
@@ -74,8 +76,6 @@ struct Config {
   using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{}));
   static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) == kExperts,
                 "one wgmma spans all experts");
-
-  static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * int(sizeof(Elem));
 
   // Reduction buffer (fp32): [kSplit source ranks][kTileT / kSplit owned rows][kRedStride].
   // The +8 padding makes the accumulator's float stores (8 rows × 4 column pairs per warp)
