@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh BIN_DIR OUT_DIR [SECTION...]
 #
 # BIN_DIR holds test-gpu-test (target/release/deps/gpu-<hash>), bench-backward[-bench]
-# (target/release/deps/backward-<hash>) and, optionally, router_example (examples/cpp build)
+# (target/release/deps/backward-<hash>), bench-forward[-bench] (target/release/deps/forward-<hash>)
+# and, optionally, router_example (examples/cpp build)
 # and moe_routing/ (the C/C++ package, for the PyTorch tests). OUT_DIR receives the logs and
 # results. Sections, in order (default: all): tests bench ncu sanitize example python.
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
@@ -16,6 +17,7 @@ bin=${1:?BIN_DIR}; out=${2:?OUT_DIR}; shift 2
 sections=${*:-tests bench ncu sanitize example python}
 mkdir -p "$out"
 bench=$(ls "$bin"/bench-backward* 2>/dev/null | head -1)
+bench_fwd=$(ls "$bin"/bench-forward* 2>/dev/null | head -1)
 # The unfused baseline loads cuBLAS at run time; PyTorch's wheels carry one.
 cublas=$(find / -name 'libcublas.so.1[0-9]*' -path '*nvidia*' 2>/dev/null | head -1)
 [ -n "$cublas" ] && export LD_LIBRARY_PATH="$(dirname "$cublas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -37,7 +39,10 @@ for section in $sections; do
       step determinism 60 "$bin/test-gpu-test" deterministic &&
       step gpu-tests 600 "$bin/test-gpu-test" ;;
     bench)
-      step bench 300 "$bench" --bench --json "$out/h200.json" ;;
+      step bench 300 "$bench" --bench --json "$out/h200.json"
+      # The forward's results go into the same file, as its `forward` section.
+      [ -n "$bench_fwd" ] && step bench-forward 300 "$bench_fwd" --bench \
+        --json "$out/forward.json" --into "$out/h200.json" ;;
     ncu)
       step ncu 240 ncu --clock-control none -k regex:fused_backward --launch-skip 5 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \

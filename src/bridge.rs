@@ -28,6 +28,9 @@ pub(crate) mod ffi {
         topk_idx: Buffer,
         topk_weights: Buffer,
         topk_scores: Buffer,
+        /// Optional outputs: ptr 0 is off.
+        scores: Buffer,
+        expert_counts: Buffer,
     }
 
     struct BackwardBuffers {
@@ -60,6 +63,17 @@ pub(crate) mod ffi {
             topk_scores: u64,
             grad_topk_weights: u64,
             dense: u64,
+            stream: u64,
+        ) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn baseline_route_from_logits(
+            cfg: &Config,
+            tokens: i64,
+            logits: u64,
+            bias: u64,
+            topk_idx: u64,
+            topk_weights: u64,
+            topk_scores: u64,
             stream: u64,
         ) -> i32;
     }

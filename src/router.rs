@@ -64,6 +64,15 @@ impl Routing {
     }
 }
 
+/// Optional outputs of the forward, off by default (they cost bytes).
+#[derive(Default)]
+pub struct ForwardExtras<'a> {
+    /// All sigmoid scores [tokens, E] (auxiliary load-balancing loss).
+    pub scores: Option<&'a mut CudaSlice<f32>>,
+    /// Tokens routed to each expert [E], overwritten (correction-bias update).
+    pub expert_counts: Option<&'a mut CudaSlice<i32>>,
+}
+
 /// A validated router configuration; the entry point of the GPU API.
 #[derive(Clone, Debug)]
 pub struct Router {
@@ -157,15 +166,46 @@ impl Router {
         bias: &impl DevicePtr<f32>,
         out: &mut Routing,
     ) -> Result<(), Error> {
+        self.forward_with(stream, tokens, x, w, bias, out, ForwardExtras::default())
+    }
+
+    /// [`Router::forward`] that also writes the optional outputs requested in `extras`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        bias: &impl DevicePtr<f32>,
+        out: &mut Routing,
+        extras: ForwardExtras<'_>,
+    ) -> Result<(), Error> {
         let (th, eh, tk) = self.sizes(tokens)?;
+        let e = self.cfg.n_routed_experts;
         need(x.len(), th, "x")?;
         need(w.len(), eh, "w")?;
-        need(bias.len(), self.cfg.n_routed_experts, "bias")?;
+        need(bias.len(), e, "bias")?;
         need(out.topk_idx.len(), tk, "topk_idx")?;
         need(out.topk_weights.len(), tk, "topk_weights")?;
         need(out.topk_scores.len(), tk, "topk_scores")?;
+        if let Some(s) = &extras.scores {
+            need(s.len(), tokens * e, "scores")?;
+        }
+        if let Some(c) = &extras.expert_counts {
+            need(c.len(), e, "expert_counts")?;
+        }
         stream.context().bind_to_thread()?;
-        let mut g = Guards(Vec::with_capacity(6));
+        let mut g = Guards(Vec::with_capacity(8));
+        let off = || ffi::Buffer { ptr: 0, len: 0 };
+        let scores = match extras.scores {
+            Some(s) => g.write(s, stream),
+            None => off(),
+        };
+        let expert_counts = match extras.expert_counts {
+            Some(c) => g.write(c, stream),
+            None => off(),
+        };
         let bufs = ffi::ForwardBuffers {
             tokens: len_i64(tokens),
             x: g.read(x, stream),
@@ -174,6 +214,8 @@ impl Router {
             topk_idx: g.write(&mut out.topk_idx, stream),
             topk_weights: g.write(&mut out.topk_weights, stream),
             topk_scores: g.write(&mut out.topk_scores, stream),
+            scores,
+            expert_counts,
         };
         // SAFETY: every buffer is a live allocation of the stated length, kept alive (and
         // ordered on `stream`) by the guards until after the launch is enqueued.
@@ -276,5 +318,47 @@ impl Router {
         };
         drop(g);
         Status::from_code(code).into_result(|| "baseline routing grad".into())
+    }
+
+    /// The unfused forward baseline's routing step (for benchmarks): from fp32 logits
+    /// [tokens, E] (a library GEMM's x·wᵀ) into `out`, with the forward's selection.
+    pub fn baseline_route_from_logits(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        logits: &impl DevicePtr<f32>,
+        bias: &impl DevicePtr<f32>,
+        out: &mut Routing,
+    ) -> Result<(), Error> {
+        let (_, _, tk) = self.sizes(tokens)?;
+        need(logits.len(), tokens * self.cfg.n_routed_experts, "logits")?;
+        need(bias.len(), self.cfg.n_routed_experts, "bias")?;
+        need(out.topk_idx.len(), tk, "topk_idx")?;
+        need(out.topk_weights.len(), tk, "topk_weights")?;
+        need(out.topk_scores.len(), tk, "topk_scores")?;
+        stream.context().bind_to_thread()?;
+        let mut g = Guards(Vec::with_capacity(5));
+        let (l, b, i, w, s) = (
+            g.read(logits, stream).ptr,
+            g.read(bias, stream).ptr,
+            g.write(&mut out.topk_idx, stream).ptr,
+            g.write(&mut out.topk_weights, stream).ptr,
+            g.write(&mut out.topk_scores, stream).ptr,
+        );
+        // SAFETY: lengths checked above; guards keep the buffers alive across the launch.
+        let code = unsafe {
+            ffi::baseline_route_from_logits(
+                &self.ffi_cfg,
+                len_i64(tokens),
+                l,
+                b,
+                i,
+                w,
+                s,
+                stream.cu_stream() as u64,
+            )
+        };
+        drop(g);
+        Status::from_code(code).into_result(|| "baseline routing from logits".into())
     }
 }

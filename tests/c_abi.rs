@@ -43,6 +43,10 @@ struct ForwardArgs {
     topk_weights_len: i64,
     topk_scores: *mut f32,
     topk_scores_len: i64,
+    scores: *mut f32,
+    scores_len: i64,
+    expert_counts: *mut i32,
+    expert_counts_len: i64,
 }
 
 #[repr(C)]
@@ -128,6 +132,10 @@ fn forward_args() -> ForwardArgs {
         topk_weights_len: 0,
         topk_scores: null_mut(),
         topk_scores_len: 0,
+        scores: null_mut(),
+        scores_len: 0,
+        expert_counts: null_mut(),
+        expert_counts_len: 0,
     }
 }
 
@@ -172,8 +180,10 @@ fn layout_matches_the_header() {
     assert_eq!(size_of::<Config>(), 56);
     assert_eq!(offset_of!(Config, hidden_size), 8);
     assert_eq!(offset_of!(Config, routed_scaling_factor), 48);
-    assert_eq!(size_of::<ForwardArgs>(), 112);
+    assert_eq!(size_of::<ForwardArgs>(), 144);
     assert_eq!(offset_of!(ForwardArgs, topk_scores_len), 104);
+    assert_eq!(offset_of!(ForwardArgs, scores), 112); // MOE_ROUTING_FORWARD_ARGS_SIZE_V1
+    assert_eq!(offset_of!(ForwardArgs, expert_counts_len), 136);
     assert_eq!(size_of::<BackwardArgs>(), 152);
     assert_eq!(offset_of!(BackwardArgs, workspace_bytes), 136);
     assert_eq!(offset_of!(BackwardArgs, accumulate_grad_w), 144);
@@ -280,6 +290,29 @@ fn struct_size_must_match() {
         unsafe { moe_routing_backward(&c, &b, null_mut()) },
         INVALID_CONFIG
     );
+}
+
+#[test]
+fn first_release_forward_args_are_accepted() {
+    // The struct before the optional outputs were appended: accepted, and the bytes after it
+    // (here a counts buffer too small for E) are not read.
+    let c = glm();
+    let mut counts = [0i32; 1];
+    let f = ForwardArgs {
+        expert_counts: counts.as_mut_ptr(),
+        expert_counts_len: 0,
+        ..forward_args()
+    };
+    assert_eq!(
+        unsafe { moe_routing_forward(&c, &f, null_mut()) },
+        BUFFER_TOO_SMALL
+    );
+    let v1 = ForwardArgs {
+        struct_size: 112,
+        ..f
+    };
+    let got = unsafe { moe_routing_forward(&c, &v1, null_mut()) };
+    assert!(got != INVALID_CONFIG && got != BUFFER_TOO_SMALL, "{got}");
 }
 
 #[test]

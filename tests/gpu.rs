@@ -13,7 +13,8 @@ use moe_routing::reference;
 use moe_routing::suite::{self, Case};
 use moe_routing::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
 use moe_routing::{
-    cuda_device_count, BackwardOptions, Precision, Router, RouterConfig, Routing, Status,
+    cuda_device_count, BackwardOptions, ForwardExtras, Precision, Router, RouterConfig, Routing,
+    Status,
 };
 
 const GRAD_X_TOL: f64 = 1e-2;
@@ -26,6 +27,11 @@ type Test = (&'static str, fn(&Arc<CudaStream>));
 fn main() {
     let tests: &[Test] = &[
         ("forward_small_shapes", forward_small_shapes),
+        ("forward_fused_shapes", forward_fused_shapes),
+        ("forward_ties_and_nan", forward_ties_and_nan),
+        ("forward_optional_outputs", forward_optional_outputs),
+        ("forward_is_deterministic", forward_is_deterministic),
+        ("round_trip", round_trip),
         ("backward_small_shapes", backward_small_shapes),
         ("backward_is_deterministic", backward_is_deterministic),
         ("zero_tokens", zero_tokens),
@@ -977,5 +983,363 @@ fn graph_capture(_: &Arc<CudaStream>) {
                 "replay {replay}: {name} differs from the direct call (seed {seed})"
             );
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The fused forward (E = 64, 128, 160, 256): token and hidden tails, cluster splits, groups.
+
+fn fused_configs() -> Vec<(RouterConfig, usize)> {
+    let glm = RouterConfig::glm45;
+    vec![
+        (glm(8, 4), 1),
+        (glm(1, 1), 7),
+        (glm(4, 2), 127),
+        (glm(16, 8), 129),
+        (glm(8, 4), 3001),
+        (glm(1, 1), 5000),
+        // Group shapes and top-k the epilogue handles (n_group <= 32, K <= 16), no norm.
+        (
+            RouterConfig {
+                n_group: 32,
+                topk_group: 5,
+                num_experts_per_tok: 16,
+                ..glm(1, 1)
+            },
+            300,
+        ),
+        (
+            RouterConfig {
+                n_group: 5,
+                topk_group: 2,
+                num_experts_per_tok: 1,
+                ..glm(1, 1)
+            },
+            257,
+        ),
+        (
+            RouterConfig {
+                n_group: 20,
+                topk_group: 3,
+                norm_topk_prob: false,
+                ..glm(1, 1)
+            },
+            200,
+        ),
+        // Hidden tails: not a multiple of the 64-wide block (TMA zero fill), and tiny (split 1).
+        (
+            RouterConfig {
+                hidden_size: 5000,
+                ..glm(8, 4)
+            },
+            1000,
+        ),
+        (
+            RouterConfig {
+                hidden_size: 72,
+                ..glm(4, 2)
+            },
+            130,
+        ),
+        (
+            RouterConfig {
+                hidden_size: 7168,
+                ..glm(8, 4)
+            },
+            600,
+        ),
+        // The other instantiations: E = 256 (DeepSeek-V3: H 7168, 8 groups keep 4), 128, 64.
+        (
+            RouterConfig {
+                n_routed_experts: 256,
+                hidden_size: 7168,
+                ..glm(8, 4)
+            },
+            3001,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 256,
+                num_experts_per_tok: 16,
+                ..glm(32, 7)
+            },
+            129,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 128,
+                ..glm(4, 2)
+            },
+            1000,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 64,
+                hidden_size: 2048,
+                ..glm(8, 3)
+            },
+            513,
+        ),
+    ]
+}
+
+fn forward_fused_shapes(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in fused_configs().into_iter().enumerate() {
+        let seed = fresh_seed() ^ (i as u64) << 16;
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        let (ties, err) = check_forward(
+            &cfg,
+            tokens,
+            &inp,
+            &fwd,
+            &format!("{cfg:?} T={tokens} seed {seed}"),
+        );
+        println!(
+            "  H={:<5} T={tokens:<5} groups {:>2}/{:<2} K={:<2} near-tie rows differing {ties:>2}, rel err {err:.1e}",
+            cfg.hidden_size, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
+        );
+    }
+}
+
+/// Exact ties and NaN, on the fused path (E = 160, 256) and the simple one (E = 96): every expert
+/// has the same weight row, so scores tie exactly unless the bias or a NaN separates them.
+///   - ties: equal values rank the lower expert index first (experts and groups);
+///   - a token whose scores are all NaN gets the K lowest indices (of the first groups);
+///   - a NaN score is never chosen over a finite one.
+fn forward_ties_and_nan(s: &Arc<CudaStream>) {
+    let seed = fresh_seed();
+    let mut rng = Rng::new(seed);
+    // E = 96 has no fused instantiation: the simple path.
+    let small = RouterConfig {
+        hidden_size: 256,
+        n_routed_experts: 96,
+        num_experts_per_tok: 8,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+    };
+    let configs = [
+        RouterConfig::glm45(1, 1),
+        RouterConfig::glm45(8, 4),
+        RouterConfig::glm45(16, 8),
+        RouterConfig {
+            n_routed_experts: 256,
+            hidden_size: 7168,
+            ..RouterConfig::glm45(8, 4)
+        },
+        small,
+        RouterConfig {
+            n_group: 8,
+            topk_group: 4,
+            ..small
+        },
+    ];
+    for cfg in configs {
+        let (h, e, k) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+        );
+        let label = format!("{cfg:?} seed {seed}");
+        let router = Router::new(cfg).unwrap();
+        let tokens = 131; // two tiles, the second a tail
+        let mut inp = Inputs::random(&cfg, tokens, &mut rng);
+        let row: Vec<bf16> = inp.w[..h].to_vec();
+        for ex in 0..e {
+            inp.w[ex * h..(ex + 1) * h].copy_from_slice(&row);
+        }
+        // Boosted experts, in distinct groups (8 or 16 groups), in increasing index order.
+        let boosted = [e / 8 + 1, 3 * e / 8 + 2, e - 1];
+        inp.bias.fill(0.0);
+        for &b in &boosted {
+            inp.bias[b] = 0.5;
+        }
+        let nan = bf16::from_f32(f32::NAN);
+        inp.x[..h].fill(nan); // token 0: all scores NaN
+        let got = gpu_forward(s, &router, tokens, &inp);
+        let want = reference::forward(&cfg, tokens, &inp.x, &inp.w, &inp.bias);
+        let as_i32 = |v: &[usize]| v.iter().map(|&a| a as i32).collect::<Vec<_>>();
+        // Token 0 (all NaN): the first kept groups are 0.. (group scores all NaN, tie), so the
+        // K lowest indices.
+        let nan_row = as_i32(&(0..k).collect::<Vec<_>>());
+        assert_eq!(&got.idx[..k], &nan_row[..], "{label}: all-NaN token");
+        assert_eq!(
+            &want.topk_idx[..k],
+            &nan_row[..],
+            "{label}: reference, all-NaN token"
+        );
+        // Other tokens: the boosted experts (ties among them by index), then the lowest
+        // indices of the kept groups; the boosted experts' groups rank first, then the lowest
+        // group indices, so with K = 8 the rest come from group 0.
+        let mut expect = boosted.to_vec();
+        expect.extend(
+            (0..e)
+                .filter(|x| !boosted.contains(x))
+                .take(k - boosted.len()),
+        );
+        let expect = as_i32(&expect);
+        for t in 1..tokens {
+            let g = &got.idx[t * k..(t + 1) * k];
+            assert_eq!(g, &expect[..], "{label}: token {t}");
+            assert_eq!(
+                &want.topk_idx[t * k..(t + 1) * k],
+                &expect[..],
+                "{label}: reference"
+            );
+            assert!(got.weights[t * k..(t + 1) * k]
+                .iter()
+                .all(|w| w.is_finite()));
+        }
+
+        // NaN never beats a finite score: experts 0..4 get NaN scores (their weight rows).
+        let mut inp2 = Inputs::random(&cfg, tokens, &mut rng);
+        for ex in 0..e {
+            inp2.w[ex * h..(ex + 1) * h].copy_from_slice(&row);
+        }
+        inp2.bias.fill(0.0);
+        inp2.w[..4 * h].fill(nan);
+        let got = gpu_forward(s, &router, tokens, &inp2);
+        let expect = as_i32(&(4..4 + k).collect::<Vec<_>>());
+        for t in 0..tokens {
+            assert_eq!(
+                &got.idx[t * k..(t + 1) * k],
+                &expect[..],
+                "{label}: NaN experts, token {t}"
+            );
+        }
+    }
+}
+
+/// Full scores and expert counts: off by default, and when on they neither change the
+/// top-k outputs (bit for bit) nor disagree with them; scores against f64 logits.
+fn forward_optional_outputs(s: &Arc<CudaStream>) {
+    let small = RouterConfig {
+        hidden_size: 256,
+        n_routed_experts: 96, // no fused instantiation: the simple path
+        num_experts_per_tok: 6,
+        n_group: 8,
+        topk_group: 3,
+        routed_scaling_factor: 1.5,
+        norm_topk_prob: true,
+    };
+    for (cfg, tokens) in [
+        (RouterConfig::glm45(8, 4), 3001),
+        (RouterConfig::glm45(1, 1), 5),
+        (small, 129),
+    ] {
+        let seed = fresh_seed();
+        let (h, e, k) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+        );
+        let label = format!("{cfg:?} T={tokens} seed {seed}");
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let plain = gpu_forward(s, &router, tokens, &inp);
+        let (x, w, bias) = (upload(s, &inp.x), upload(s, &inp.w), upload(s, &inp.bias));
+        let mut out = Routing {
+            topk_idx: poisoned(s, tokens * k),
+            topk_weights: poisoned(s, tokens * k),
+            topk_scores: poisoned(s, tokens * k),
+        };
+        let mut scores = poisoned::<f32>(s, tokens * e);
+        let mut counts = poisoned::<i32>(s, e);
+        let extras = ForwardExtras {
+            scores: Some(&mut scores),
+            expert_counts: Some(&mut counts),
+        };
+        router
+            .forward_with(s, tokens, &x, &w, &bias, &mut out, extras)
+            .unwrap();
+        s.synchronize().unwrap();
+        let idx = download(s, &out.topk_idx);
+        let wts = download(s, &out.topk_weights);
+        let sc = download(s, &out.topk_scores);
+        let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
+        assert_eq!(idx, plain.idx, "{label}: topk_idx with extras");
+        assert_eq!(
+            bits(&wts),
+            bits(&plain.weights),
+            "{label}: topk_weights with extras"
+        );
+        assert_eq!(
+            bits(&sc),
+            bits(&plain.scores),
+            "{label}: topk_scores with extras"
+        );
+        let full = download(s, &scores);
+        let cnt = download(s, &counts);
+        let mut want_cnt = vec![0i32; e];
+        for &i in &idx {
+            want_cnt[i as usize] += 1;
+        }
+        assert_eq!(cnt, want_cnt, "{label}: expert counts");
+        let mut worst = 0.0f64;
+        for t in 0..tokens {
+            for j in 0..k {
+                let ex = idx[t * k + j] as usize;
+                assert_eq!(
+                    full[t * e + ex].to_bits(),
+                    sc[t * k + j].to_bits(),
+                    "{label}: t {t}"
+                );
+            }
+            if t >= 300 {
+                continue; // f64 logits of the first 300 tokens suffice
+            }
+            for ex in 0..e {
+                let logit: f64 = (0..h)
+                    .map(|i| inp.x[t * h + i].to_f64() * inp.w[ex * h + i].to_f64())
+                    .sum();
+                let want = 1.0 / (1.0 + (-logit).exp());
+                worst = worst.max((full[t * e + ex] as f64 - want).abs());
+            }
+        }
+        assert!(worst < 1e-4, "{label}: scores abs err {worst:e}");
+    }
+}
+
+/// Same inputs, same bits: the cluster reduction sums the partial logits in a fixed order.
+fn forward_is_deterministic(s: &Arc<CudaStream>) {
+    for (cfg, tokens) in [
+        (RouterConfig::glm45(8, 4), 512),
+        (RouterConfig::glm45(4, 2), 10007),
+        (RouterConfig::glm45(1, 1), 20000),
+    ] {
+        let seed = fresh_seed();
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let a = gpu_forward(s, &router, tokens, &inp);
+        let b = gpu_forward(s, &router, tokens, &inp);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(a.idx, b.idx, "T={tokens} seed {seed}");
+        assert_eq!(bits(&a.weights), bits(&b.weights), "T={tokens} seed {seed}");
+        assert_eq!(bits(&a.scores), bits(&b.scores), "T={tokens} seed {seed}");
+    }
+}
+
+/// Forward then backward through the public Rust API, each against the f64 reference
+/// (reference::forward, reference::backward), on the fused paths of both.
+fn round_trip(s: &Arc<CudaStream>) {
+    for (cfg, tokens) in [
+        (RouterConfig::glm45(8, 4), 3001),
+        (RouterConfig::glm45(1, 1), 129),
+    ] {
+        let seed = fresh_seed();
+        let [d, p] = check_case(
+            s,
+            &cfg,
+            tokens,
+            seed,
+            &format!("round trip {cfg:?} T={tokens}"),
+        );
+        println!(
+            "  T={tokens:<5} groups {}/{}: grad_x {:.1e} grad_w {:.1e} | precise {:.1e} {:.1e}",
+            cfg.n_group, cfg.topk_group, d.grad_x, d.grad_w, p.grad_x, p.grad_w
+        );
     }
 }

@@ -54,6 +54,8 @@ int32_t router_forward(const Config& cfg, const ForwardBuffers& b, uint64_t stre
     a.topk_idx = span<int32_t>(b.topk_idx);
     a.topk_weights = span<float>(b.topk_weights);
     a.topk_scores = span<float>(b.topk_scores);
+    a.scores = span<float>(b.scores);
+    a.expert_counts = span<int32_t>(b.expert_counts);
     return moe_routing::router_forward(to_config(cfg), a,
                                        reinterpret_cast<cudaStream_t>(stream));
   });
@@ -92,6 +94,18 @@ int32_t baseline_routing_grad_dense(const Config& cfg, int64_t tokens, uint64_t 
         to_config(cfg), tokens, reinterpret_cast<const int32_t*>(topk_idx),
         reinterpret_cast<const float*>(topk_scores),
         reinterpret_cast<const float*>(grad_topk_weights), reinterpret_cast<uint16_t*>(dense),
+        reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
+int32_t baseline_route_from_logits(const Config& cfg, int64_t tokens, uint64_t logits,
+                                   uint64_t bias, uint64_t topk_idx, uint64_t topk_weights,
+                                   uint64_t topk_scores, uint64_t stream) {
+  return guarded([&] {
+    return moe_routing::baseline::route_from_logits(
+        to_config(cfg), tokens, reinterpret_cast<const float*>(logits),
+        reinterpret_cast<const float*>(bias), reinterpret_cast<int32_t*>(topk_idx),
+        reinterpret_cast<float*>(topk_weights), reinterpret_cast<float*>(topk_scores),
         reinterpret_cast<cudaStream_t>(stream));
   });
 }

@@ -20,5 +20,8 @@ rust::Str status_string(int32_t status);
 int32_t baseline_routing_grad_dense(const Config& cfg, int64_t tokens, uint64_t topk_idx,
                                      uint64_t topk_scores, uint64_t grad_topk_weights,
                                      uint64_t dense, uint64_t stream);
+int32_t baseline_route_from_logits(const Config& cfg, int64_t tokens, uint64_t logits,
+                                   uint64_t bias, uint64_t topk_idx, uint64_t topk_weights,
+                                   uint64_t topk_scores, uint64_t stream);
 
 }  // namespace moe_routing::bridge

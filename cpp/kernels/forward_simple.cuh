@@ -4,22 +4,9 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/routing.cuh"
+#include "kernels/route_warp.cuh"
 
 namespace moe_routing::kernels {
-
-struct ForwardParams {
-  const __nv_bfloat16* x;  // [T, H]
-  const __nv_bfloat16* w;  // [E, H]
-  const float* bias;       // [E]
-  int32_t* topk_idx;       // [T, K]
-  float* topk_weights;     // [T, K]
-  float* topk_scores;      // [T, K]
-  int64_t tokens;
-  int hidden, experts, top_k, n_group, topk_group;
-  float scale;
-  bool norm;
-};
 
 constexpr int kForwardThreads = 256;
 
@@ -60,60 +47,11 @@ __global__ void __launch_bounds__(kForwardThreads) router_forward_simple(Forward
     }
   }
   __syncthreads();
+  if (p.scores)
+    for (int e = threadIdx.x; e < E; e += kForwardThreads) p.scores[t * E + e] = score[e];
   if (warp != 0) return;
 
-  const int per_group = E / p.n_group;
-  if (p.n_group > 1) {
-    // Group score: sum of the two best choices of the group (ranked as in top-k).
-    for (int g = lane; g < p.n_group; g += 32) {
-      uint64_t k1 = 0, k2 = 0;
-      for (int i = 0; i < per_group; ++i) {
-        int e = g * per_group + i;
-        uint64_t k = rank_key(choice[e], e);
-        if (k > k1) { k2 = k1; k1 = k; } else if (k > k2) { k2 = k; }
-      }
-      group_score[g] = choice[key_index(k1)] + choice[key_index(k2)];
-      kept[g] = 0;
-    }
-    __syncwarp();
-    for (int r = 0; r < p.topk_group; ++r) {
-      uint64_t best = 0;
-      for (int g = lane; g < p.n_group; g += 32)
-        if (!kept[g]) { uint64_t k = rank_key(group_score[g], g); best = k > best ? k : best; }
-      best = warp_max_u64(best);
-      if (lane == 0) kept[key_index(best)] = 1;
-      __syncwarp();
-    }
-  }
-  for (int e = lane; e < E; e += 32)
-    key[e] = (p.n_group == 1 || kept[e / per_group]) ? rank_key(choice[e], e) : 0;
-  __syncwarp();
-
-  int my_idx = 0;
-  for (int k = 0; k < p.top_k; ++k) {
-    uint64_t best = 0;
-    for (int e = lane; e < E; e += 32) best = key[e] > best ? key[e] : best;
-    best = warp_max_u64(best);
-    int e = key_index(best);
-    if (lane == k) my_idx = e;
-    if (lane == 0) key[e] = 0;
-    __syncwarp();
-  }
-  const bool active = lane < p.top_k;
-  float s = active ? score[my_idx] : 0.0f;
-  float wgt = s;
-  if (p.norm) wgt = s / (warp_sum(s) + 1e-20f);
-  wgt *= p.scale;
-  if (active) {
-    int64_t o = t * p.top_k + lane;
-    p.topk_idx[o] = my_idx;
-    p.topk_weights[o] = wgt;
-    p.topk_scores[o] = s;
-  }
-}
-
-inline size_t forward_simple_smem_bytes(int experts, int n_group) {
-  return size_t(experts) * 16 + size_t(n_group) * 5;
+  route_token_warp(p, t, score, choice, key, group_score, kept);
 }
 
 }  // namespace moe_routing::kernels

@@ -1,7 +1,10 @@
-// The unfused baseline's elementwise step: the dense routing gradient G [T, E] in bf16, as a
-// framework would materialize it before two library GEMMs. Used by the benchmarks.
+// The unfused baselines' non-GEMM steps, as a framework would run them around library GEMMs.
+// Used by the benchmarks.
+//   backward: the dense routing gradient G [T, E] in bf16, before two GEMMs
+//   forward:  the routing from fp32 logits [T, E] (after the GEMM x·wᵀ)
 #include <cuda_bf16.h>
 
+#include "kernels/route_warp.cuh"
 #include "kernels/routing.cuh"
 #include "launch.h"
 #include "moe_routing/baseline.h"
@@ -30,6 +33,35 @@ __global__ void routing_grad_dense_bf16(const int32_t* topk_idx, const float* to
   }
 }
 
+constexpr int kRouteWarps = 8;
+
+__host__ __device__ inline size_t route_scratch_bytes(int experts, int n_group) {
+  return (forward_simple_smem_bytes(experts, n_group) + 15) / 16 * 16;
+}
+
+// One warp per token: sigmoid, bias, then the simple forward's selection, from fp32 logits.
+__global__ void __launch_bounds__(kRouteWarps * 32) route_from_logits(ForwardParams p,
+                                                                      const float* logits) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int E = p.experts;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  unsigned char* mine = smem + warp * route_scratch_bytes(E, p.n_group);
+  float* score = reinterpret_cast<float*>(mine);
+  float* choice = score + E;
+  uint64_t* key = reinterpret_cast<uint64_t*>(choice + E);
+  float* group_score = reinterpret_cast<float*>(key + E);
+  uint8_t* kept = reinterpret_cast<uint8_t*>(group_score + p.n_group);
+  const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
+  if (t >= p.tokens) return;  // whole warps
+  for (int e = lane; e < E; e += 32) {
+    const float s = sigmoid(logits[t * E + e]);
+    score[e] = s;
+    choice[e] = s + p.bias[e];
+  }
+  __syncwarp();
+  route_token_warp(p, t, score, choice, key, group_score, kept);
+}
+
 }  // namespace moe_routing::kernels
 
 namespace moe_routing::baseline {
@@ -47,6 +79,33 @@ Status routing_grad_dense_bf16(const RouterConfig& cfg, int64_t tokens, const in
       topk_idx, topk_scores, grad_topk_weights, reinterpret_cast<__nv_bfloat16*>(dense), tokens,
       int(cfg.n_routed_experts), int(cfg.num_experts_per_tok), cfg.routed_scaling_factor,
       cfg.norm_topk_prob);
+  return detail::last_launch_status();
+}
+
+Status route_from_logits(const RouterConfig& cfg, int64_t tokens, const float* logits,
+                         const float* bias, int32_t* topk_idx, float* topk_weights,
+                         float* topk_scores, cudaStream_t stream) {
+  if (Status s = validate_config(cfg); s != Status::kSuccess) return s;
+  if (tokens < 0 || tokens > INT32_MAX) return Status::kInvalidShape;
+  if (tokens == 0) return Status::kSuccess;
+  if (!logits || !bias || !topk_idx || !topk_weights || !topk_scores) return Status::kNullPointer;
+  kernels::ForwardParams p{};
+  p.bias = bias;
+  p.topk_idx = topk_idx;
+  p.topk_weights = topk_weights;
+  p.topk_scores = topk_scores;
+  p.tokens = tokens;
+  p.hidden = int(cfg.hidden_size);
+  p.experts = int(cfg.n_routed_experts);
+  p.top_k = int(cfg.num_experts_per_tok);
+  p.n_group = int(cfg.n_group);
+  p.topk_group = int(cfg.topk_group);
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  const size_t smem = kernels::kRouteWarps * kernels::route_scratch_bytes(p.experts, p.n_group);
+  if (smem > 48 * 1024) return Status::kUnsupported;  // no opt-in: a benchmark helper
+  kernels::route_from_logits<<<unsigned(detail::ceil_div(tokens, kernels::kRouteWarps)),
+                               kernels::kRouteWarps * 32, smem, stream>>>(p, logits);
   return detail::last_launch_status();
 }
 

@@ -16,7 +16,9 @@ static_assert(sizeof(moe_routing_config) == 56, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, hidden_size) == 8, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, routed_scaling_factor) == 48,
               "moe_routing_config layout");
-static_assert(sizeof(moe_routing_forward_args) == 112, "moe_routing_forward_args layout");
+static_assert(sizeof(moe_routing_forward_args) == 144, "moe_routing_forward_args layout");
+static_assert(offsetof(moe_routing_forward_args, scores) == MOE_ROUTING_FORWARD_ARGS_SIZE_V1,
+              "moe_routing_forward_args: optional outputs appended to the first release's struct");
 static_assert(offsetof(moe_routing_forward_args, tokens) == 8, "moe_routing_forward_args layout");
 static_assert(offsetof(moe_routing_forward_args, topk_scores_len) == 104,
               "moe_routing_forward_args layout");
@@ -69,7 +71,8 @@ Status to_config(const moe_routing_config* c, moe_routing::RouterConfig* out) {
 
 Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* out) {
   if (a == nullptr) return Status::kNullPointer;
-  if (a->struct_size != sizeof(moe_routing_forward_args) || a->reserved != 0)
+  const bool v1 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V1;
+  if ((!v1 && a->struct_size != sizeof(moe_routing_forward_args)) || a->reserved != 0)
     return Status::kInvalidConfig;
   moe_routing::ForwardArgs f;
   f.tokens = a->tokens;
@@ -79,6 +82,10 @@ Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* o
   f.topk_idx = {a->topk_idx, a->topk_idx_len};
   f.topk_weights = {a->topk_weights, a->topk_weights_len};
   f.topk_scores = {a->topk_scores, a->topk_scores_len};
+  if (!v1) {  // a first-release caller's struct ends before these fields
+    f.scores = {a->scores, a->scores_len};
+    f.expert_counts = {a->expert_counts, a->expert_counts_len};
+  }
   *out = f;
   return Status::kSuccess;
 }

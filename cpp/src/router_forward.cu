@@ -1,4 +1,5 @@
-// Host launcher of the forward.
+// Host launcher of the forward: the fused kernel where it handles the shape, else the simple one.
+#include "fused_forward.h"
 #include "kernels/forward_simple.cuh"
 #include "launch.h"
 #include "validate.h"
@@ -9,8 +10,15 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   int device = 0;
   if (Status s = detail::validate_forward(cfg, a, stream, &device); s != Status::kSuccess)
     return s;
-  if (a.tokens == 0) return Status::kSuccess;
   detail::DeviceGuard guard(device);
+  if (a.tokens == 0) {
+    if (a.expert_counts.data)  // no tokens: every count is zero
+      return detail::cuda_status(cudaMemsetAsync(
+          a.expert_counts.data, 0, sizeof(int32_t) * size_t(cfg.n_routed_experts), stream));
+    return Status::kSuccess;
+  }
+  if (detail::fused_forward_supported(cfg, a))
+    return detail::launch_fused_forward(cfg, a, device, stream);
 
   kernels::ForwardParams p{};
   p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
@@ -19,6 +27,8 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   p.topk_idx = a.topk_idx.data;
   p.topk_weights = a.topk_weights.data;
   p.topk_scores = a.topk_scores.data;
+  p.scores = a.scores.data;
+  p.counts = a.expert_counts.data;
   p.tokens = a.tokens;
   p.hidden = int(cfg.hidden_size);
   p.experts = int(cfg.n_routed_experts);
@@ -27,6 +37,12 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   p.topk_group = int(cfg.topk_group);
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
+  if (p.counts) {
+    if (Status s = detail::cuda_status(
+            cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * size_t(p.experts), stream));
+        s != Status::kSuccess)
+      return s;
+  }
   const size_t smem = kernels::forward_simple_smem_bytes(p.experts, p.n_group);
   kernels::router_forward_simple<<<unsigned(a.tokens), kernels::kForwardThreads, smem, stream>>>(p);
   return detail::last_launch_status();

@@ -148,6 +148,8 @@ Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStrea
       {a.topk_idx.data, a.topk_idx.len, T * K, 4},
       {a.topk_weights.data, a.topk_weights.len, T * K, 4},
       {a.topk_scores.data, a.topk_scores.len, T * K, 4},
+      {a.scores.data, a.scores.len, a.scores.data ? T * E : 0, 4},
+      {a.expert_counts.data, a.expert_counts.len, a.expert_counts.data ? E : 0, 4},
   };
   return check_all(buffers, stream, device);
 }

@@ -1,6 +1,7 @@
 // Example consumer of the moe_routing package (C++ API, moe_routing/router.h): routes a small
-// GLM-4.5-shaped batch on the GPU, runs the backward, and checks both against an f64 CPU
-// reference written here (the semantics of the crate's src/reference.rs).
+// GLM-4.5-shaped batch on the GPU (with the optional full scores and expert counts), runs the
+// backward on the forward's outputs, and checks both against an f64 CPU reference written
+// here (the semantics of the crate's src/reference.rs).
 //
 // Exit status 0 when the results agree, or when there is no CUDA device (nothing to run).
 #include <moe_routing/router.h>
@@ -204,7 +205,8 @@ int main() {
   cfg.routed_scaling_factor = 2.5f;
   cfg.norm_topk_prob = true;
   ROUTER_CHECK(mr::validate_config(cfg));
-  const int64_t T = 256, H = cfg.hidden_size, E = cfg.n_routed_experts,
+  // Not a multiple of the forward's 128-token tile: the last tile is a tail.
+  const int64_t T = 300, H = cfg.hidden_size, E = cfg.n_routed_experts,
                 K = cfg.num_experts_per_tok;
 
   Rng rng{42};
@@ -224,6 +226,8 @@ int main() {
   auto* d_weights = device_alloc<float>(T * K);
   auto* d_scores = device_alloc<float>(T * K);
   auto* d_gtw = device_alloc<float>(T * K);
+  auto* d_all_scores = device_alloc<float>(T * E);
+  auto* d_counts = device_alloc<int32_t>(E);
   auto* d_grad_x = device_alloc<uint16_t>(T * H);
   auto* d_grad_w = device_alloc<float>(E * H);
   const size_t ws_bytes = mr::backward_workspace_bytes(cfg, T);
@@ -242,6 +246,8 @@ int main() {
   f.topk_idx = {d_idx, T * K};
   f.topk_weights = {d_weights, T * K};
   f.topk_scores = {d_scores, T * K};
+  f.scores = {d_all_scores, T * E};  // optional outputs
+  f.expert_counts = {d_counts, E};
   ROUTER_CHECK(mr::router_forward(cfg, f, stream));
 
   mr::BackwardArgs b;
@@ -262,6 +268,27 @@ int main() {
   const auto scores = download(d_scores, T * K);
   const auto grad_x = download(d_grad_x, T * H);
   const auto grad_w = download(d_grad_w, E * H);
+  const auto all_scores = download(d_all_scores, T * E);
+  const auto counts = download(d_counts, E);
+
+  // Optional outputs: counts are the histogram of the chosen experts; the full scores hold
+  // the saved scores at the chosen experts, bit for bit.
+  std::vector<int32_t> want_counts(E, 0);
+  bool extras_ok = true;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = idx[t * K + k];
+      if (e < 0 || e >= E) {
+        extras_ok = false;
+        continue;
+      }
+      ++want_counts[e];
+      uint32_t a, b;
+      std::memcpy(&a, &all_scores[t * E + e], 4);
+      std::memcpy(&b, &scores[t * K + k], 4);
+      extras_ok = extras_ok && a == b;
+    }
+  extras_ok = extras_ok && counts == want_counts;
 
   // The same through the C ABI (c_abi_check.c), into the same buffers after clearing them:
   // both paths run the same kernels, which are deterministic, so the results are identical.
@@ -328,22 +355,25 @@ int main() {
   const double err_x = rel_err(gx, ref_gx), err_w = rel_err(gw, ref_gw);
 
   const bool ok = mismatched == 0 && compared > 0 && value_err <= 1e-5 && err_x <= 1e-2 &&
-                  err_w <= 5e-3 && c_abi_same;
+                  err_w <= 5e-3 && c_abi_same && extras_ok;
   std::printf(
       "%s, T=%lld H=%lld E=%lld K=%lld\n"
       "forward:  %lld near-tie tokens, %lld tokens with other experts than the reference (0), "
       "weights/scores rel err %.2e (<= 1e-5) over %lld tokens\n"
       "backward: rel err grad_x %.2e (<= 1e-2), grad_w %.2e (<= 5e-3)\n"
+      "optional: expert counts and full scores %s the top-k outputs\n"
       "C ABI:    forward and backward %s the C++ API's\n%s\n",
       prop.name, (long long)T, (long long)H, (long long)E, (long long)K, (long long)ties,
       (long long)mismatched, value_err, (long long)compared, err_x, err_w,
-      c_abi_same ? "identical to" : "DIFFER from", ok ? "ok" : "FAILED");
+      extras_ok ? "agree with" : "DISAGREE with", c_abi_same ? "identical to" : "DIFFER from",
+      ok ? "ok" : "FAILED");
 
   for (void* p : {static_cast<void*>(d_x), static_cast<void*>(d_w), static_cast<void*>(d_bias),
                   static_cast<void*>(d_idx), static_cast<void*>(d_weights),
                   static_cast<void*>(d_scores), static_cast<void*>(d_gtw),
                   static_cast<void*>(d_grad_x), static_cast<void*>(d_grad_w),
-                  static_cast<void*>(d_ws)})
+                  static_cast<void*>(d_ws), static_cast<void*>(d_all_scores),
+                  static_cast<void*>(d_counts)})
     CUDA_CHECK(cudaFree(p));
   CUDA_CHECK(cudaStreamDestroy(stream));
   return ok ? 0 : 1;

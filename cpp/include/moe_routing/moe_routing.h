@@ -9,6 +9,8 @@
  *   topk_idx     [T, K]  i32                     chosen experts, best first
  *   topk_weights [T, K]  f32                     routing weights (normalized, scaled)
  *   topk_scores  [T, K]  f32                     sigmoid scores at the chosen experts
+ *   scores       [T, E]  f32  (optional)         all sigmoid scores
+ *   expert_counts [E]    i32  (optional)         tokens routed to each expert
  *   grad_topk_weights [T, K] f32, grad_x [T, H] bf16 bits, grad_w [E, H] f32
  *
  * All buffers are device memory of the stream's device, dense row-major; each pointer comes
@@ -19,9 +21,11 @@
  * Versioning: MOE_ROUTING_ABI_VERSION changes only when an existing declaration changes
  * incompatibly. Every struct starts with `struct_size`, which the caller sets to sizeof the
  * struct as compiled; a struct may grow by fields appended at its end in a later version,
- * which will keep accepting the sizes of earlier versions. This version accepts exactly the
- * sizes declared here and answers MOE_ROUTING_INVALID_CONFIG to any other size. Fields named
- * `reserved` must be zero.
+ * which will keep accepting the sizes of earlier versions. This version accepts the sizes
+ * declared here and, for moe_routing_forward_args, also MOE_ROUTING_FORWARD_ARGS_SIZE_V1 (the
+ * struct as first released, before its optional outputs were appended: they are then off);
+ * it answers
+ * MOE_ROUTING_INVALID_CONFIG to any other size. Fields named `reserved` must be zero.
  *
  * Backward workspace: moe_routing_backward_workspace_bytes() bytes of device memory, aligned
  * to 256 bytes, zeroed once when allocated (cudaMemset). The backward leaves it ready for the
@@ -82,7 +86,9 @@ typedef struct moe_routing_config {
   uint32_t reserved;             /* 0 */
 } moe_routing_config;
 
-/* Forward inputs and outputs (moe_routing::ForwardArgs). 112 bytes. */
+/* Forward inputs and outputs (moe_routing::ForwardArgs). 144 bytes; its first 112 bytes are
+ * the struct as first released (MOE_ROUTING_FORWARD_ARGS_SIZE_V1), still accepted. */
+#define MOE_ROUTING_FORWARD_ARGS_SIZE_V1 112
 typedef struct moe_routing_forward_args {
   uint32_t struct_size; /* sizeof(moe_routing_forward_args) */
   uint32_t reserved;    /* 0 */
@@ -99,6 +105,11 @@ typedef struct moe_routing_forward_args {
   int64_t topk_weights_len;
   float* topk_scores;
   int64_t topk_scores_len;
+  /* Optional outputs, off when NULL (appended after the first release). */
+  float* scores;             /* [T, E] all sigmoid scores */
+  int64_t scores_len;
+  int32_t* expert_counts;    /* [E] tokens routed to each expert, overwritten */
+  int64_t expert_counts_len;
 } moe_routing_forward_args;
 
 /* Backward inputs and outputs (moe_routing::BackwardArgs). 152 bytes. */

@@ -10,6 +10,8 @@
 //   topk_idx     [T, K]  i32    chosen experts, best first
 //   topk_weights [T, K]  f32    routing weights (normalized, scaled)
 //   topk_scores  [T, K]  f32    sigmoid scores at the chosen experts (saved for the backward)
+//   scores       [T, E]  f32    optional: all sigmoid scores (auxiliary load-balancing loss)
+//   expert_counts [E]    i32    optional: tokens routed to each expert (bias update)
 //   grad_topk_weights [T, K] f32, grad_x [T, H] bf16, grad_w [E, H] f32
 #pragma once
 
@@ -64,7 +66,16 @@ struct ForwardArgs {
   DeviceSpan<int32_t> topk_idx;
   DeviceSpan<float> topk_weights;
   DeviceSpan<float> topk_scores;
+  // Optional outputs, off while `data` is null (they cost bytes): the full sigmoid scores
+  // [T, E] and the per-expert token counts [E] (overwritten, exact integers).
+  DeviceSpan<float> scores;
+  DeviceSpan<int32_t> expert_counts;
 };
+
+// Forward selection semantics (every path): experts rank by score + bias, larger first; equal
+// values rank the lower expert index first; NaN ranks below every number (so a NaN is never
+// chosen over a finite value, and a token whose scores are all NaN still gets K distinct
+// indices, the lowest of its kept groups). Groups rank the same way by their top-2 sum.
 
 enum class Precision : int32_t {
   kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation

@@ -1,0 +1,108 @@
+// Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
+//
+// A cluster of kSplit CTAs owns one tile of kTileT tokens and all E experts; CTA r of the
+// cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
+// Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
+//   sX  (t, h, stage)  the x tile              wgmma A
+//   sW  (e, h, stage)  the w slice, all E rows  wgmma B
+// Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers,
+// 64 tokens each. After the main loop the pipeline buffers are reused as the reduction
+// buffer sRed: every CTA of the cluster writes its partial logits into the CTA that owns
+// the rows (distributed shared memory), and the owner sums them in rank order.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+// The extended wgmma shapes (64×160), which cute/tensor.hpp includes only with
+// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED; after it, since they build on its GMMA definitions.
+#include <cute/arch/mma_sm90_gmma_ext.hpp>
+#include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
+
+namespace moe_routing::kernels::fused_forward {
+
+using namespace cute;
+
+// The bf16 → fp32 wgmma with N = E, both operands K-major in shared memory.
+template <int kN>
+CUTE_HOST_DEVICE constexpr auto wgmma_atom() {
+  using namespace SM90::GMMA;
+  constexpr auto K = GMMA::Major::K;
+  if constexpr (kN == 160) return MMA_64x160x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 256) return MMA_64x256x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 128) return MMA_64x128x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 64) return MMA_64x64x16_F32BF16BF16_SS<K, K>{};
+  else return ss_op_selector<cutlass::bfloat16_t, cutlass::bfloat16_t, float,
+                             Shape<_64, Int<kN>, _64>, K, K>();
+}
+
+template <int kExperts_>
+struct Config {
+  static constexpr int kExperts = kExperts_;
+  static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup
+  static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
+  // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256.
+  static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * 2;  // bf16 x and w tiles
+  static constexpr int kStages = (220 * 1024) / kStageBytes < 6 ? (220 * 1024) / kStageBytes : 6;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // setmaxnreg: the consumers gain only what the producer gives up (168 per thread at 384).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(kProducerRegs + kConsumers * kConsumerRegs <= 3 * 168,
+                "register reallocation must balance");
+  // Largest cluster: 16 (non-portable, where the device allows it) leaves 8 rows per CTA.
+  static constexpr int kMaxSplit = 16;
+  static_assert(kTileT % kMaxSplit == 0, "rows per CTA");
+
+  static_assert(kExperts % 8 == 0 && kExperts >= 8 && kExperts <= 256,
+                "E: wgmma N is a multiple of 8 up to 256; SW128 atoms are 8 rows");
+
+  using Elem = cutlass::bfloat16_t;
+  using TileT = Int<kTileT>;
+  using TileH = Int<kTileH>;
+  using Experts = Int<kExperts>;
+  using Stages = Int<kStages>;
+
+  // (t, h, stage) and (e, h, stage): K-major, 128-byte swizzle; a TMA box is one stage.
+  using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<TileT, TileH, Stages>{}));
+  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                             Shape<Experts, TileH, Stages>{}));
+
+  // 128 × E per CTA, two warpgroups along t, one 64×E×16 wgmma per k-step. Named directly:
+  // ss_op_selector offers N = E only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED and would
+  // otherwise tile E = 160 with five 64×32 atoms, reading A from shared memory five times.
+  using MmaAtom = decltype(wgmma_atom<kExperts>());
+  using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{}));
+  static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) == kExperts,
+                "one wgmma spans all experts");
+
+  // Reduction buffer (fp32): [kSplit source ranks][kTileT / kSplit owned rows][kRedStride].
+  // The +8 padding makes the accumulator's float stores (8 rows × 4 column pairs per warp)
+  // and the routing's row reads (4 rows × 8 columns) bank-conflict free.
+  static constexpr int kRedStride = kExperts + 8;
+  // After it, one scratch row per token of a routing pass (32 tokens).
+  static constexpr int kScratchRows = 32;
+  static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
+
+  struct alignas(1024) SharedStorage {
+    // Pipeline buffers during the main loop, reduction buffer after it.
+    union alignas(1024) {
+      struct {
+        alignas(1024) Elem x[cosize_v<SmemLayoutX>];
+        alignas(1024) Elem w[cosize_v<SmemLayoutW>];
+      } pipe;
+      alignas(16) float red[(kTileT + kScratchRows) * kRedStride];
+    } buf;
+    alignas(16) int counts[kExperts];    // per-expert token counts of the CTA (optional output)
+    alignas(8) uint64_t full[kStages];   // TMA landed (expect-tx)
+    alignas(8) uint64_t empty[kStages];  // both consumer warpgroups done reading
+  };
+  static_assert(sizeof(SharedStorage::buf) >= kRedBytes, "reduction buffer");
+  static_assert(kStageBytes == (cosize_v<SmemLayoutX> + cosize_v<SmemLayoutW>) * 2 / kStages,
+                "TMA transaction bytes per stage");
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+}  // namespace moe_routing::kernels::fused_forward

@@ -1,0 +1,154 @@
+// The fused forward kernel (sm90a): logits = x·wᵀ (bf16 → fp32) and the whole routing in one pass.
+//
+// Grid: kSplit·⌈T/128⌉ CTAs in clusters of kSplit (cluster size 1, 2, 4, 8 or 16, chosen per T by
+// the host so that the grid fills the SMs); the cluster owns one 128-token tile and splits the
+// hidden dimension among its CTAs.
+// Warp roles (three warpgroups, one CTA per SM):
+//   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
+//   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
+// Then, with no global traffic:
+//   cluster sync 1  every CTA is past its main loop: pipeline smem may be overwritten
+//   each consumer stores its partial logits into the reduction buffer of the CTA that owns
+//   the row (rows [r·128/kSplit, (r+1)·128/kSplit) belong to rank r), slot = its own rank
+//   cluster sync 2  all partials have landed
+//   the owner sums the slots in rank order (the same bits every run) and routes its rows:
+//   8 lanes per token, 32 tokens per pass over the 8 consumer warps.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+
+#include "kernels/fused_forward/config.cuh"
+#include "kernels/fused_forward/mainloop.cuh"
+#include "kernels/fused_forward/route.cuh"
+
+namespace moe_routing::kernels::fused_forward {
+
+using namespace cute;
+
+template <class TmaX, class TmaW>
+struct Params {
+  TmaX tma_x;  // x as (T, H)
+  TmaW tma_w;  // w as (E, H)
+  const float* bias = nullptr;
+  int32_t* topk_idx = nullptr;
+  float* topk_weights = nullptr;
+  float* topk_scores = nullptr;
+  float* scores = nullptr;   // [T, E] or null
+  int32_t* counts = nullptr;  // [E] (zeroed by the host) or null
+  int64_t tokens = 0;
+  int hidden = 0;
+  int hblocks = 0;  // ⌈H / kTileH⌉ >= cluster size
+  RouteParams route{};
+};
+
+enum : uint32_t { kBarConsumers = 1 };  // named barrier (0 is __syncthreads)
+
+constexpr int kRouteWidth = 8;  // lanes per token in the routing epilogue
+
+template <class Cfg, class P>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_constant__ const P p) {
+  namespace cg = cooperative_groups;
+  using Storage = typename Cfg::SharedStorage;
+  constexpr int kTileT = Cfg::kTileT, kExperts = Cfg::kExperts, kStride = Cfg::kRedStride;
+  using Route = TokenRoute<kExperts, kRouteWidth>;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Storage& smem = *reinterpret_cast<Storage*>(smem_raw);
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int split = int(cluster.num_blocks());  // grid.x is a multiple of it (host)
+  const int rank = int(cluster.block_rank());
+  const int tile = int(blockIdx.x) / split;
+  const int kb_begin = rank * p.hblocks / split;
+  const int kb_end = (rank + 1) * p.hblocks / split;  // non-empty: split <= hblocks
+  const int rows = kTileT / split;                    // rows this CTA routes
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      FullBarrier::init(&smem.full[s], 1);
+      EmptyBarrier::init(&smem.empty[s], 128 * Cfg::kConsumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  for (int e = threadIdx.x; e < kExperts; e += Cfg::kThreads) smem.counts[e] = 0;
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ------------------------------------------------------------------ producer
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+    if (threadIdx.x == 0)
+      produce<Cfg>(smem, p.tma_x, p.tma_w, p.tokens, p.hidden, tile, kb_begin, kb_end);
+    cluster.sync();  // 1: this CTA's loads were all consumed
+    cluster.sync();  // 2: partials exchanged; the producer has nothing more to do
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+  const int ct = threadIdx.x - 128;  // 0..255
+  typename Cfg::Mma mma;
+  Tensor acc = partition_fragment_C(mma, Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
+  consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
+
+  cluster.sync();  // 1: every CTA of the cluster is done with its pipeline buffers
+
+  // Partial logits → the owner's reduction buffer (slot `rank`), by coordinate: no assumption
+  // on the accumulator's register layout.
+  {
+    Tensor cC = make_identity_tensor(Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (t, e) → (t, e)
+    Tensor tCcC = mma.get_thread_slice(ct).partition_C(cC);  // (MMA, MMA_M, MMA_N), like acc
+    static_assert(decltype(size(tCcC))::value == decltype(size(acc))::value, "coordinates");
+    float* red = smem.buf.red;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      const int m = get<0>(tCcC(i)), e = get<1>(tCcC(i));
+      const int owner = m / rows, r = m % rows;
+      float* dst = cluster.map_shared_rank(red, owner);
+      dst[(rank * rows + r) * kStride + e] = acc(i);
+    }
+  }
+
+  cluster.sync();  // 2: every partial has landed; from here on, only this CTA's smem
+
+  const int warp = ct / 32, lane = ct % 32;
+  const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
+  const int sub = lane % kRouteWidth;
+  float* choice_row = smem.buf.red + (kTileT + slot) * kStride;  // scratch after the buffer
+  float bias[Route::kPer];
+  CUTE_UNROLL
+  for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
+  int gid[Route::kPer];
+  Route::groups(p.route, gid);
+  const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
+                     p.counts ? smem.counts : nullptr};
+  const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
+  constexpr int kTokensPerPass = Cfg::kConsumers * 4 * (32 / kRouteWidth);
+  static_assert(kTokensPerPass == Cfg::kScratchRows, "one scratch row per token of a pass");
+  for (int r0 = 0; r0 < rows; r0 += kTokensPerPass) {  // uniform trip count: shuffles inside
+    const int r = r0 + slot;
+    const bool in = r < rows;
+    const int64_t t = row0 + r;
+    float logit[Route::kPer];
+    CUTE_UNROLL
+    for (int i = 0; i < Route::kPer; ++i) {
+      float v = 0.0f;
+      if (in)
+        for (int s = 0; s < split; ++s) v += smem.buf.red[(s * rows + r) * kStride + sub + kRouteWidth * i];
+      logit[i] = v;
+    }
+    Route::run(logit, bias, gid, choice_row, p.route, out, t, in && t < p.tokens);
+  }
+
+  if (p.counts) {
+    cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);
+    for (int e = ct; e < kExperts; e += 128 * Cfg::kConsumers)
+      if (smem.counts[e]) atomicAdd(p.counts + e, smem.counts[e]);
+  }
+}
+
+}  // namespace moe_routing::kernels::fused_forward

@@ -1,0 +1,91 @@
+// The fused forward's main loop: TMA producer and wgmma consumers over the CTA's hidden blocks.
+//
+// Barriers per stage s (phase flips every kStages blocks):
+//   full[s]   1 arrival (the producer's expect-tx) + the stage's TMA bytes
+//   empty[s]  128·kConsumers arrivals (every consumer thread, once its wgmmas read the stage)
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "kernels/fused_forward/config.cuh"
+
+namespace moe_routing::kernels::fused_forward {
+
+using namespace cute;
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+// One thread: loads x and w of hidden blocks [kb_begin, kb_end) of token tile `tile`.
+template <class Cfg, class TmaX, class TmaW>
+__device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, const TmaW& tma_w,
+                        int64_t tokens, int hidden, int tile, int kb_begin, int kb_end) {
+  constexpr int kStages = Cfg::kStages;
+  Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
+  Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
+  Tensor mX = tma_x.get_tma_tensor(make_shape(tokens, hidden));                         // (T, H)
+  Tensor mW = tma_w.get_tma_tensor(make_shape(Int<Cfg::kExperts>{}, hidden));           // (E, H)
+  Tensor gX = local_tile(mX, Shape<typename Cfg::TileT, typename Cfg::TileH>{},
+                         make_coord(tile, _));  // (t, h, kb)
+  Tensor gW = local_tile(mW, Shape<typename Cfg::Experts, typename Cfg::TileH>{},
+                         make_coord(0, _));  // (e, h, kb)
+  auto [tXgX, tXsX] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                    group_modes<0, 2>(gX));  // (TMA, kb), (TMA, stage)
+  auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
+                                    group_modes<0, 2>(gW));  // (TMA, kb), (TMA, stage)
+  prefetch_tma_descriptor(tma_x.get_tma_descriptor());
+  prefetch_tma_descriptor(tma_w.get_tma_descriptor());
+  for (int n = 0; kb_begin + n < kb_end; ++n) {
+    const int s = n % kStages;
+    const uint32_t phase = (n / kStages) & 1;
+    EmptyBarrier::wait(&smem.empty[s], phase ^ 1);  // fresh barrier: parity 1 passes at once
+    // Out-of-bounds rows (token tail) and columns (hidden tail) arrive as zeros and count
+    // in full toward the transaction bytes.
+    FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kStageBytes);
+    // x is read once: evict first; w is read by every token tile: keep it in L2.
+    copy(tma_x.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_FIRST), tXgX(_, kb_begin + n),
+         tXsX(_, s));
+    copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_LAST), tWgW(_, kb_begin + n),
+         tWsW(_, s));
+  }
+}
+
+// Consumer thread `ct` (0..255): accumulates its part of logits(t, e) over the CTA's blocks.
+// Needs kb_end > kb_begin (the accumulator starts with a zero-scaled wgmma).
+template <class Cfg, class Acc>
+__device__ void consume(typename Cfg::SharedStorage& smem, int ct, int kb_begin, int kb_end,
+                        Acc& acc) {
+  constexpr int kStages = Cfg::kStages;
+  Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
+  Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
+  typename Cfg::Mma mma;
+  auto thr = mma.get_thread_slice(ct);
+  Tensor tCsX = thr.partition_A(sX);  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCsW = thr.partition_B(sW);  // (MMA, MMA_N, MMA_K, stage)
+  Tensor tCrX = thr.make_fragment_A(tCsX);  // smem descriptors
+  Tensor tCrW = thr.make_fragment_B(tCsW);
+
+  const int blocks = kb_end - kb_begin;
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  for (int n = 0; n < blocks; ++n) {
+    const int s = n % kStages;
+    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tCrX); ++k) {
+      gemm(mma, tCrX(_, _, k, s), tCrW(_, _, k, s), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    // One batch in flight: the previous block's wgmmas are done, so its stage goes back.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  // The last stage is not released: the producer has nothing left to load.
+}
+
+}  // namespace moe_routing::kernels::fused_forward

@@ -1,0 +1,86 @@
+// Dispatch of the fused forward: the cluster size (split of the hidden dimension) per T.
+#include <atomic>
+#include <cstdint>
+
+#include "fused_forward.h"
+#include "launch.h"
+
+namespace moe_routing::detail {
+namespace {
+
+constexpr int64_t kTileT = 128, kTileH = 64;
+constexpr int kSplits[] = {1, 2, 4, 8, 16};
+constexpr int kNumSplits = int(sizeof(kSplits) / sizeof(kSplits[0]));
+// Per-CTA cost that does not shrink with the split (pipeline fill, reduction, routing), in
+// hidden blocks of 64.
+constexpr int64_t kFixedBlocks = 6;
+
+// Active clusters per split size for one device, read once: the split, hence the order of
+// the logit summation, depends only on the device and T.
+struct Occupancy {
+  std::atomic<int> clusters[kNumSplits];
+};
+
+int active_clusters(int device, int which, int64_t experts) {
+  static Occupancy cached[64] = {};
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device].clusters[which] : nullptr;
+  if (slot) {  // 0: not asked yet; -1: the device has no room for such clusters
+    if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
+  }
+  int n = 0;
+  const int split = kSplits[which];
+  switch (experts) {
+    case 64: n = fused_forward_active_clusters<64>(split); break;
+    case 128: n = fused_forward_active_clusters<128>(split); break;
+    case 160: n = fused_forward_active_clusters<160>(split); break;
+    case 256: n = fused_forward_active_clusters<256>(split); break;
+    default: break;
+  }
+  if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
+  return n;
+}
+
+// The split with the least estimated time: waves of clusters × blocks per CTA.
+int plan(const RouterConfig& cfg, int64_t tokens, int device) {
+  const int64_t tiles = ceil_div(tokens, kTileT);
+  const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int which = 0; which < kNumSplits; ++which) {
+    const int split = kSplits[which];
+    if (split > hblocks) break;
+    const int clusters = active_clusters(device, which, cfg.n_routed_experts);
+    if (clusters <= 0) continue;
+    const int64_t waves = ceil_div(tiles, clusters);
+    const int64_t cost = waves * (ceil_div(hblocks, split) + kFixedBlocks);
+    if (cost < best_cost) best = split, best_cost = cost;  // ties keep the smaller split
+  }
+  return best;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
+  // The routing epilogue keeps the kept groups in a 32-bit mask; TMA needs 16-byte aligned
+  // bases and row strides (H % 8 == 0 is validated); the cluster needs hblocks >= 1.
+  const int64_t e = cfg.n_routed_experts;
+  return (e == 64 || e == 128 || e == 160 || e == 256) && cfg.n_group <= 32 &&
+         cfg.num_experts_per_tok <= 16 &&
+         aligned16(a.x.data) && aligned16(a.w.data) && a.tokens <= int64_t(INT32_MAX);
+}
+
+Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int device,
+                            cudaStream_t stream) {
+  const int split = plan(cfg, a.tokens, device);
+  switch (cfg.n_routed_experts) {
+    case 64: return launch_fused_forward_e<64>(cfg, a, split, stream);
+    case 128: return launch_fused_forward_e<128>(cfg, a, split, stream);
+    case 160: return launch_fused_forward_e<160>(cfg, a, split, stream);
+    case 256: return launch_fused_forward_e<256>(cfg, a, split, stream);
+    default: return Status::kUnsupported;
+  }
+}
+
+}  // namespace moe_routing::detail

@@ -1,0 +1,24 @@
+// The fused forward's host side: which shapes it takes, its launch.
+#pragma once
+
+#include "moe_routing/router.h"
+
+namespace moe_routing::detail {
+
+// True where the fused kernel handles the shape and pointers (others take the simple path).
+bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& args);
+
+Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, int device,
+                            cudaStream_t stream);
+
+// One instantiation per expert count, each in its own translation unit. `split`: cluster size
+// (CTAs sharing a token tile along the hidden dimension), 1, 2, 4, 8 or 16.
+template <int kExperts>
+Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& args, int split,
+                              cudaStream_t stream);
+
+// Clusters of `split` CTAs of the E-expert kernel that fit the device at once (0: none).
+template <int kExperts>
+int fused_forward_active_clusters(int split);
+
+}  // namespace moe_routing::detail

@@ -1,0 +1,134 @@
+// Host launch of one fused-forward instantiation: TMA descriptors, parameters, cluster launch.
+#pragma once
+
+#include <atomic>
+
+#include <cute/tensor.hpp>
+
+#include "fused_forward.h"
+#include "kernels/fused_forward/kernel_sm90.cuh"
+#include "launch.h"
+
+namespace moe_routing::detail {
+
+namespace fused_forward_impl {
+
+// TMA descriptors and parameters of the E-expert kernel.
+template <int kExperts>
+auto make_params(const cutlass::bfloat16_t* x, const cutlass::bfloat16_t* w, int64_t tokens,
+                 int64_t hidden) {
+  using namespace cute;
+  using Cfg = kernels::fused_forward::Config<kExperts>;
+  // (T, H) and (E, H), h contiguous: K-major operands.
+  Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(tokens), int(hidden)),
+                          make_stride(hidden, _1{}));
+  Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(Int<kExperts>{}, int(hidden)),
+                          make_stride(hidden, _1{}));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
+  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{}(_, _, 0));
+  using P = kernels::fused_forward::Params<decltype(tma_x), decltype(tma_w)>;
+  return P{tma_x, tma_w};
+}
+
+template <int kExperts>
+struct Kernel {
+  using Cfg = kernels::fused_forward::Config<kExperts>;
+  using Elem = typename Cfg::Elem;
+  using P = decltype(make_params<kExperts>(nullptr, nullptr, 1, 64));
+
+  static constexpr auto kernel = kernels::fused_forward::fused_forward_sm90<Cfg, P>;
+
+  // The shared-memory opt-in is per device and sticks: set it once per device.
+  static Status prepare(int device) {
+    static std::atomic<uint64_t> smem_set{0};
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (smem_set.load(std::memory_order_acquire) & bit) return Status::kSuccess;
+    RelaxedCaptureScope relaxed;
+    if (Status s = cuda_status(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+        s != Status::kSuccess)
+      return s;
+    // Clusters of 16: allowed where the device has them (the occupancy query says).
+    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    (void)cudaGetLastError();
+    smem_set.fetch_or(bit, std::memory_order_release);
+    return Status::kSuccess;
+  }
+
+  static cudaLaunchConfig_t config(unsigned grid, int split, cudaStream_t stream,
+                                   cudaLaunchAttribute* attr) {
+    cudaLaunchConfig_t c{};
+    c.gridDim = dim3(grid);
+    c.blockDim = dim3(Cfg::kThreads);
+    c.dynamicSmemBytes = Cfg::kSmemBytes;
+    c.stream = stream;
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = unsigned(split);
+    attr->val.clusterDim.y = 1;
+    attr->val.clusterDim.z = 1;
+    c.attrs = attr;
+    c.numAttrs = 1;
+    return c;
+  }
+};
+
+}  // namespace fused_forward_impl
+
+template <int kExperts>
+int fused_forward_active_clusters(int split) {
+  using K = fused_forward_impl::Kernel<kExperts>;
+  RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || K::prepare(device) != Status::kSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  cudaLaunchAttribute attr{};
+  const cudaLaunchConfig_t c = K::config(unsigned(split), split, nullptr, &attr);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, K::kernel, &c) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+template <int kExperts>
+Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int split,
+                              cudaStream_t stream) {
+  using K = fused_forward_impl::Kernel<kExperts>;
+  using Cfg = typename K::Cfg;
+  using Elem = typename K::Elem;
+  int device = 0;
+  if (Status s = cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
+  if (Status s = K::prepare(device); s != Status::kSuccess) return s;
+
+  typename K::P p = fused_forward_impl::make_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
+                                   reinterpret_cast<const Elem*>(a.w.data), a.tokens,
+                                   cfg.hidden_size);
+  p.bias = a.bias.data;
+  p.topk_idx = a.topk_idx.data;
+  p.topk_weights = a.topk_weights.data;
+  p.topk_scores = a.topk_scores.data;
+  p.scores = a.scores.data;
+  p.counts = a.expert_counts.data;
+  p.tokens = a.tokens;
+  p.hidden = int(cfg.hidden_size);
+  p.hblocks = int(ceil_div(cfg.hidden_size, Cfg::kTileH));
+  p.route = {int(cfg.num_experts_per_tok), int(cfg.n_group), int(cfg.topk_group),
+             cfg.routed_scaling_factor, cfg.norm_topk_prob};
+  if (split < 1 || split > Cfg::kMaxSplit || (split & (split - 1)) || split > p.hblocks)
+    return Status::kUnsupported;
+
+  if (p.counts) {
+    if (Status s = cuda_status(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * kExperts, stream));
+        s != Status::kSuccess)
+      return s;
+  }
+  const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
+  cudaLaunchAttribute attr{};
+  const cudaLaunchConfig_t c = K::config(unsigned(tiles * split), split, stream, &attr);
+  return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+}
+
+}  // namespace moe_routing::detail
