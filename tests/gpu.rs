@@ -42,6 +42,8 @@ fn main() {
         ("randomized_equivalence", randomized_equivalence),
         ("extreme_inputs", extreme_inputs),
         ("graph_capture", graph_capture),
+        ("two_streams", two_streams),
+        ("huge_batch", huge_batch),
         ("suite_forward", suite_forward),
         ("suite_backward", suite_backward),
     ];
@@ -1342,4 +1344,284 @@ fn round_trip(s: &Arc<CudaStream>) {
             cfg.n_group, cfg.topk_group, d.grad_x, d.grad_w, p.grad_x, p.grad_w
         );
     }
+}
+
+/// Forward + backward of two different batches on two streams at once (enqueued interleaved,
+/// several times over) give the same bits as each run alone.
+fn two_streams(_: &Arc<CudaStream>) {
+    let ctx = CudaContext::new(0).unwrap();
+    let streams = [ctx.new_stream().unwrap(), ctx.new_stream().unwrap()];
+    let cfg = RouterConfig::glm45(8, 4);
+    let router = Router::new(cfg).unwrap();
+    let (tokens, k) = (8192 + 77, cfg.num_experts_per_tok);
+    let (th, eh) = (
+        tokens * cfg.hidden_size,
+        cfg.n_routed_experts * cfg.hidden_size,
+    );
+    let seed = fresh_seed();
+    struct Job {
+        x: CudaSlice<bf16>,
+        w: CudaSlice<bf16>,
+        bias: CudaSlice<f32>,
+        g: CudaSlice<f32>,
+        out: Routing,
+        gx: CudaSlice<bf16>,
+        gw: CudaSlice<f32>,
+        ws: CudaSlice<u8>,
+    }
+    let mut jobs: Vec<Job> = streams
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut rng = Rng::new(seed + i as u64);
+            let inp = Inputs::random(&cfg, tokens, &mut rng);
+            Job {
+                x: upload(s, &inp.x),
+                w: upload(s, &inp.w),
+                bias: upload(s, &inp.bias),
+                g: upload(s, &random_grad(tokens * k, &mut rng)),
+                out: Routing {
+                    topk_idx: poisoned(s, tokens * k),
+                    topk_weights: poisoned(s, tokens * k),
+                    topk_scores: poisoned(s, tokens * k),
+                },
+                gx: poisoned(s, th),
+                gw: poisoned(s, eh),
+                ws: router.alloc_workspace(s, tokens).unwrap(),
+            }
+        })
+        .collect();
+    let step = |s: &Arc<CudaStream>, j: &mut Job| {
+        router
+            .forward(s, tokens, &j.x, &j.w, &j.bias, &mut j.out)
+            .unwrap();
+        router
+            .backward(
+                s,
+                tokens,
+                &j.x,
+                &j.w,
+                &j.out.topk_idx,
+                &j.out.topk_scores,
+                &j.g,
+                &mut j.gx,
+                &mut j.gw,
+                BackwardOptions::default(),
+                &mut j.ws,
+            )
+            .unwrap();
+    };
+    let snapshot = |s: &Arc<CudaStream>, j: &Job| -> Vec<Vec<u32>> {
+        s.synchronize().unwrap();
+        let f = |v: Vec<f32>| v.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
+        vec![
+            download(s, &j.out.topk_idx)
+                .iter()
+                .map(|&a| a as u32)
+                .collect(),
+            f(download(s, &j.out.topk_weights)),
+            download(s, &j.gx)
+                .iter()
+                .map(|a| a.to_bits() as u32)
+                .collect(),
+            f(download(s, &j.gw)),
+        ]
+    };
+    let alone: Vec<_> = streams
+        .iter()
+        .zip(jobs.iter_mut())
+        .map(|(s, j)| {
+            step(s, j);
+            snapshot(s, j)
+        })
+        .collect();
+    for (s, j) in streams.iter().zip(jobs.iter_mut()) {
+        poison(s, &mut j.out.topk_idx);
+        poison(s, &mut j.gx);
+        poison(s, &mut j.gw);
+    }
+    for _ in 0..3 {
+        for (s, j) in streams.iter().zip(jobs.iter_mut()) {
+            step(s, j);
+        }
+    }
+    for (i, (s, j)) in streams.iter().zip(&jobs).enumerate() {
+        let got = snapshot(s, j);
+        for (name, (a, b)) in ["topk_idx", "topk_weights", "grad_x", "grad_w"]
+            .iter()
+            .zip(got.iter().zip(&alone[i]))
+        {
+            assert!(
+                a == b,
+                "stream {i}: {name} differs from the run alone (seed {seed})"
+            );
+        }
+    }
+}
+
+/// T·H above 2³¹ elements (T = 450000, H = 5120): 64-bit indexing in every kernel. The
+/// forward is checked on sampled tokens (among them the last ones and those past 2³¹/H); the
+/// incoming gradient is nonzero only on those tokens, so that the f64 reference of the sample
+/// gives grad_w exactly, every other grad_x row must come out exactly zero, and poisoned
+/// outputs show any row left unwritten.
+fn huge_batch(s: &Arc<CudaStream>) {
+    let cfg = RouterConfig::glm45(8, 4);
+    let (h, k) = (cfg.hidden_size, cfg.num_experts_per_tok);
+    let tokens = 450_000usize;
+    assert!(tokens * h > 1usize << 31);
+    let seed = fresh_seed();
+    let label = format!("huge batch T={tokens} seed {seed}");
+    let mut rng = Rng::new(seed);
+    let small = Inputs::random(&cfg, 0, &mut rng);
+    // x in parallel, one seeded stream per chunk of rows.
+    let mut x = vec![bf16::ZERO; tokens * h];
+    let rows_per_chunk = 4096;
+    std::thread::scope(|scope| {
+        for (c, chunk) in x.chunks_mut(rows_per_chunk * h).enumerate() {
+            scope.spawn(move || {
+                let mut r = Rng::new(seed ^ (0xA5A5_0000 + c as u64));
+                chunk
+                    .iter_mut()
+                    .for_each(|v| *v = bf16::from_f32(r.uniform()));
+            });
+        }
+    });
+    let mut sample: Vec<usize> = (0..32).map(|_| rng.below(tokens)).collect();
+    let past = (1usize << 31) / h; // first token whose elements lie past 2³¹
+    sample.extend([past - 1, past, past + 1]);
+    sample.extend(tokens - 16..tokens);
+    sample.sort_unstable();
+    sample.dedup();
+    let n = sample.len();
+
+    let (xd, wd, bd) = (upload(s, &x), upload(s, &small.w), upload(s, &small.bias));
+    let mut out = Routing {
+        topk_idx: poisoned(s, tokens * k),
+        topk_weights: poisoned(s, tokens * k),
+        topk_scores: poisoned(s, tokens * k),
+    };
+    router_forward(s, &cfg, tokens, &xd, &wd, &bd, &mut out);
+    let idx = download(s, &out.topk_idx);
+    let weights = download(s, &out.topk_weights);
+    let scores = download(s, &out.topk_scores);
+    assert!(
+        idx.iter()
+            .all(|&i| i >= 0 && (i as usize) < cfg.n_routed_experts),
+        "{label}: index out of range"
+    );
+    assert!(
+        weights.iter().all(|v| v.is_finite()),
+        "{label}: weights not all written"
+    );
+
+    let sub_x: Vec<bf16> = sample
+        .iter()
+        .flat_map(|&t| x[t * h..(t + 1) * h].iter().copied())
+        .collect();
+    let want = reference::forward(&cfg, n, &sub_x, &small.w, &small.bias);
+    let pick = |v: &[i32]| -> Vec<i32> {
+        sample
+            .iter()
+            .flat_map(|&t| v[t * k..(t + 1) * k].to_vec())
+            .collect()
+    };
+    let pickf = |v: &[f32]| -> Vec<f32> {
+        sample
+            .iter()
+            .flat_map(|&t| v[t * k..(t + 1) * k].to_vec())
+            .collect()
+    };
+    let (sub_idx, sub_scores) = (pick(&idx), pickf(&scores));
+    for (r, &t) in sample.iter().enumerate() {
+        let (g, w) = (
+            &sub_idx[r * k..(r + 1) * k],
+            &want.topk_idx[r * k..(r + 1) * k],
+        );
+        assert!(
+            g == w || want.near_tie[r],
+            "{label}: token {t}: indices {g:?}, reference {w:?}"
+        );
+    }
+
+    // Backward: gradient only on the sampled tokens.
+    let mut grad_out = vec![0.0f32; tokens * k];
+    let sub_grad = random_grad(n * k, &mut rng);
+    for (r, &t) in sample.iter().enumerate() {
+        grad_out[t * k..(t + 1) * k].copy_from_slice(&sub_grad[r * k..(r + 1) * k]);
+    }
+    let gd = upload(s, &grad_out);
+    let want = reference::backward(&cfg, n, &sub_x, &small.w, &sub_idx, &sub_scores, &sub_grad);
+    let eh = cfg.n_routed_experts * h;
+    let mut ws = Router::new(cfg)
+        .unwrap()
+        .alloc_workspace(s, tokens)
+        .unwrap();
+    for precision in [Precision::Default, Precision::Precise] {
+        let (tol_x, tol_w) = match precision {
+            Precision::Default => (GRAD_X_TOL, GRAD_W_TOL),
+            Precision::Precise => (PRECISE_GRAD_X_TOL, PRECISE_GRAD_W_TOL),
+        };
+        let mut gx: CudaSlice<bf16> = poisoned(s, tokens * h);
+        let mut gw: CudaSlice<f32> = poisoned(s, eh);
+        let opts = BackwardOptions {
+            accumulate_grad_w: false,
+            precision,
+        };
+        Router::new(cfg)
+            .unwrap()
+            .backward(
+                s,
+                tokens,
+                &xd,
+                &wd,
+                &out.topk_idx,
+                &out.topk_scores,
+                &gd,
+                &mut gx,
+                &mut gw,
+                opts,
+                &mut ws,
+            )
+            .unwrap();
+        s.synchronize().unwrap();
+        let gx = download(s, &gx);
+        let mut in_sample = vec![false; tokens];
+        sample.iter().for_each(|&t| in_sample[t] = true);
+        let stray = (0..tokens).filter(|&t| !in_sample[t]).find(|&t| {
+            gx[t * h..(t + 1) * h]
+                .iter()
+                .any(|v| v.to_bits() & 0x7fff != 0)
+        });
+        assert!(
+            stray.is_none(),
+            "{label} {precision:?}: grad_x row {stray:?} should be zero"
+        );
+        let sub_gx: Vec<f64> = sample
+            .iter()
+            .flat_map(|&t| bf16_to_f64(&gx[t * h..(t + 1) * h]))
+            .collect();
+        let ex = reference::rel_err(&sub_gx, &want.grad_x);
+        let ew = reference::rel_err(&to_f64(&download(s, &gw)), &want.grad_w);
+        println!("  {precision:?}: sampled grad_x rel err {ex:.2e}, grad_w {ew:.2e} ({n} tokens sampled)");
+        assert!(
+            ex <= tol_x && ew <= tol_w,
+            "{label} {precision:?}: grad_x {ex:e}, grad_w {ew:e}"
+        );
+    }
+}
+
+fn router_forward(
+    s: &Arc<CudaStream>,
+    cfg: &RouterConfig,
+    tokens: usize,
+    x: &CudaSlice<bf16>,
+    w: &CudaSlice<bf16>,
+    bias: &CudaSlice<f32>,
+    out: &mut Routing,
+) {
+    Router::new(*cfg)
+        .unwrap()
+        .forward(s, tokens, x, w, bias, out)
+        .unwrap();
+    s.synchronize().unwrap();
 }
