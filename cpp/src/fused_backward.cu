@@ -9,25 +9,28 @@ namespace {
 
 constexpr int64_t kTileT = 128, kTileH = 128;
 
-// CTAs of the persistent grid. Each CTA takes ceil(units / ctas) units; where ranges do not
-// align with slices, every CTA also writes a grad_w partial and the last contributor of each
-// slice reads them all. Costs in units of one unit's time (measured on the H200: a unit is
-// about 2 µs, writing or reading one [E, kTileH] fp32 partial well under 1 µs).
+// CTAs of the persistent grid: k per slice, so that the split points within a slice are the
+// same for every slice. CTAs running side by side then read the same token tiles (x rows
+// 10 KB long, each CTA 256 bytes of every row) rather than tiles at unrelated offsets.
+// Costs in units of one unit's time (a unit is about 2 µs; writing or reading one
+// [E, kTileH] fp32 partial well under 1 µs). Where the slices outnumber the SMs, one range
+// per SM.
 int plan_ctas(int64_t units, int64_t tiles, int num_sms) {
   constexpr double kWritePartial = 0.3, kReadPartial = 0.35;
-  const int64_t most = units < num_sms ? units : num_sms;
+  const int64_t slices = units / tiles;
+  const int64_t most = (num_sms < kFusedMaxCtas ? num_sms : kFusedMaxCtas) / slices;
+  if (most < 1) {
+    const int64_t ctas = num_sms < kFusedMaxCtas ? num_sms : kFusedMaxCtas;
+    return int(units < ctas ? units : ctas);
+  }
   int best = 1;
   double best_cost = 0.0;
-  for (int64_t c = 1; c <= most && c <= kFusedMaxCtas; ++c) {
-    const int64_t per = ceil_div(units, c);
-    const int64_t shortest = units / c;
-    const bool aligned = units % c == 0 && shortest % tiles == 0;
-    const int64_t contributors = ceil_div(tiles, shortest) + 1;  // per slice, at most
+  for (int64_t k = 1; k <= most && k <= tiles; ++k) {
     const double cost =
-        double(per) + (aligned ? 0.0 : kWritePartial + kReadPartial * double(contributors));
-    if (c == 1 || cost < best_cost) best = int(c), best_cost = cost;
+        double(ceil_div(tiles, k)) + (k == 1 ? 0.0 : kWritePartial + kReadPartial * double(k));
+    if (k == 1 || cost < best_cost) best = int(k), best_cost = cost;
   }
-  return best;
+  return int(best * slices);
 }
 
 // SM count per device, read once: the split (hence the grad_w summation order) depends on it.

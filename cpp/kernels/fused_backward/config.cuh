@@ -50,7 +50,7 @@ struct Config {
   using TileH = Int<kTileH>;
   using Experts = Int<kExperts>;
 
-  // (t, e, stage): K-major, dgrad's B.
+  // (t, e, stage): K-major, dgrad's B. (routing_grad_tile.cuh computes these offsets itself.)
   using SmemLayoutG = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Elem>{},
                                              Shape<TileT, Experts, Int<kStagesG>>{}));
   // (e, t, stage): the same bytes, as wgrad's MN-major B.

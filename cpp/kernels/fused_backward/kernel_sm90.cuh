@@ -118,23 +118,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     static_assert(kAhead >= 1, "x must run ahead of G");
     if (thread == 0)
       for (int n = 0; n < kAhead && n < count; ++n) load_x(n);
-    // Routing inputs are loaded one unit ahead: their latency hides behind a whole build.
-    TokenRouting<Cfg::kTopK> next;
+    const uint32_t g_stages = cute::cast_smem_ptr_to_uint(smem.g);
+    constexpr uint32_t kGStageBytes = kTileT * kExperts * 2;
+    // Routing inputs are loaded a unit ahead and packed at the end of the previous iteration:
+    // their latency hides behind a whole build, and only the packed row stays live.
+    TokenRouting<Cfg::kTopK> loaded;
     auto load_routing = [&](int n) {
-      next.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                (unit0 + n) % tiles * kTileT + thread, p.tokens);
+      loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
+                  (unit0 + n) % tiles * kTileT + thread, p.tokens);
     };
-    if (count > 0) load_routing(0);
+    PackedRow<Cfg::kTopK> row{};
+    if (count > 0) {
+      load_routing(0);
+      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
+    }
     for (int n = 0; n < count; ++n) {
       const int s = n % kStagesG;
-      const TokenRouting<Cfg::kTopK> in = next;
       if (n + 1 < count) load_routing(n + 1);
       Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
       if (thread == 0 && n + kAhead < count) load_x(n + kAhead);
-      update_routing_grad_row<kExperts>(sG(_, _, s), thread, smem.set_experts[s][thread], in,
-                                        p.scale, p.norm);
+      store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
+                                     smem.set_experts[s][thread], row);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       Barrier::arrive(&smem.g_full[s]);
+      if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
     }
     return;
   }
@@ -215,9 +222,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, xs), tWrGt(_, _, k, gs), acc_w);
     warpgroup_commit_batch();
   };
-  auto store_grad_x = [&](int64_t slice, int64_t tile) {
-    if (leader) tma_store_wait<0>();  // the previous store has read the staging
+  // The staging is free once the previous unit's store has read it: checked while this unit's
+  // GEMMs run, so that the warps' wait at the barrier overlaps them.
+  auto staging_free = [&] {
+    if (leader) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
+  };
+  auto store_grad_x = [&](int64_t slice, int64_t tile) {
     Tensor frag = make_tensor_like<Elem>(acc_d);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_d); ++i) frag(i) = Elem(acc_d(i));
@@ -295,6 +306,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       wait_unit(n);
       issue_dgrad(n);
       issue_wgrad(n);
+      staging_free();
       warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
       warpgroup_fence_operand(acc_d);
       store_grad_x(slice, tile);

@@ -42,54 +42,95 @@ __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t bits) {
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(bits) : "memory");
 }
 
+// Byte offset of G(t, e) in one stage of Config::SmemLayoutG: K-major SW64 atoms of 8 rows ×
+// 32 experts (64 bytes a row), tiled t first; the swizzle XORs the 16-byte chunk within a row
+// with bits 1-2 of the row. The same offsets as &sG(t, e) (checked for every (t, e) against
+// CuTe), computed without CuTe's swizzled-pointer arithmetic, which made the build several
+// times longer.
+template <int kTileT>
+struct RoutingGradRow {
+  uint32_t base;  // shared-memory address of the row's first atom, within the stage
+  uint32_t swizzle;
+  __device__ __forceinline__ RoutingGradRow(uint32_t stage, int t)
+      : base(stage + uint32_t(t >> 3) * 512u + uint32_t(t & 7) * 64u),
+        swizzle(uint32_t((t & 7) >> 1) << 4) {}
+  __device__ __forceinline__ uint32_t operator()(int e) const {
+    return base + uint32_t(e >> 5) * uint32_t(kTileT * 64) + ((uint32_t(e & 31) * 2u) ^ swizzle);
+  }
+};
+
+// One token's row of G, ready to store: its K experts as bytes (0 where unused) and their
+// routing gradients as bf16, 6 registers for K = 8 instead of the 24 of the inputs.
+template <int kTopK>
+struct PackedRow {
+  uint32_t experts[kTopK / 4];
+  uint32_t grads[kTopK / 2];  // bf16 pairs
+  uint32_t valid;             // bit k: expert k is stored
+};
+
+// The routing gradients of one token: scaling, normalization and sigmoid gradients.
+// Indices outside [0, E) contribute nothing.
+template <int kExperts, int kTopK>
+__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(const TokenRouting<kTopK>& in,
+                                                                  float scale, bool norm) {
+  PackedRow<kTopK> out{};
+  if (!in.valid) return out;
+  const float* s = reinterpret_cast<const float*>(in.score);
+  const float* g = reinterpret_cast<const float*>(in.grad);
+  const int* e = reinterpret_cast<const int*>(in.idx);
+  float sum_s = 0.0f, dot = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k) {
+    sum_s += s[k];
+    dot = fmaf(g[k], s[k], dot);
+  }
+  sum_s += 1e-20f;
+  const float a = scale / sum_s, b = dot / sum_s;
+#pragma unroll
+  for (int k = 0; k < kTopK; k += 2) {
+    float v[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float grad_s = norm ? a * (g[k + j] - b) : scale * g[k + j];
+      v[j] = grad_s * s[k + j] * (1.0f - s[k + j]);
+    }
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[0], v[1]);
+    out.grads[k / 2] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k) {
+    if (unsigned(e[k]) < unsigned(kExperts)) {
+      out.experts[k / 4] |= uint32_t(e[k]) << (8 * (k % 4));
+      out.valid |= 1u << k;
+    }
+  }
+  return out;
+}
+
 // Row `row` of one G stage: clears the experts recorded in `set_experts` (the row's previous
-// use of this stage), then writes the token's K routing gradients and records their experts.
-// A row past the last token ends up all zero. Indices outside [0, E) contribute nothing; the
-// indices of a row are distinct (the forward guarantees it).
-//   sG: (kTileT, E) view of one stage.  set_experts: the row's K bytes in that stage.
-// Stores go through st.shared with the layout's (swizzled) offsets: through the generic
-// address space they cost several times more.
-template <int kExperts, int kTopK, class SmemTensorG>
-__device__ __forceinline__ void update_routing_grad_row(SmemTensorG&& sG, int row,
-                                                        uint8_t* set_experts,
-                                                        const TokenRouting<kTopK>& in,
-                                                        float scale, bool norm) {
+// use of this stage), then stores the packed row and records its experts. A row past the last
+// token ends up all zero. The indices of a row are distinct (the forward guarantees it).
+//   stage: shared-memory address of the G stage.  set_experts: the row's K bytes there.
+template <int kTileT, int kTopK>
+__device__ __forceinline__ void store_routing_grad_row(uint32_t stage, int row,
+                                                       uint8_t* set_experts,
+                                                       const PackedRow<kTopK>& in) {
   static_assert(kTopK % 4 == 0, "the record is stored as 32-bit words");
-  // &sG(row, e): the element's address after the layout's swizzle (which CuTe applies to the
-  // pointer, so raw_pointer_cast(sG.data()) plus an offset would miss it).
-  auto addr = [&](int e) { return cute::cast_smem_ptr_to_uint(&sG(row, e)); };
+  const RoutingGradRow<kTileT> addr(stage, row);
   uint32_t* record = reinterpret_cast<uint32_t*>(set_experts);
   uint32_t prev[kTopK / 4];
 #pragma unroll
   for (int v = 0; v < kTopK / 4; ++v) prev[v] = record[v];
 #pragma unroll
   for (int k = 0; k < kTopK; ++k) st_shared_b16(addr(int((prev[k / 4] >> (8 * (k % 4))) & 0xff)), 0);
-
-  uint32_t now[kTopK / 4] = {};
-  if (in.valid) {
-    const float* s = reinterpret_cast<const float*>(in.score);
-    const float* g = reinterpret_cast<const float*>(in.grad);
-    const int* e = reinterpret_cast<const int*>(in.idx);
-    float sum_s = 0.0f, dot = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kTopK; ++k) {
-      sum_s += s[k];
-      dot = fmaf(g[k], s[k], dot);
-    }
-    sum_s += 1e-20f;
-    const float a = scale / sum_s, b = dot / sum_s;
-#pragma unroll
-    for (int k = 0; k < kTopK; ++k) {
-      const float grad_s = norm ? a * (g[k] - b) : scale * g[k];
-      if (unsigned(e[k]) < unsigned(kExperts)) {
-        const __nv_bfloat16 v = __float2bfloat16_rn(grad_s * s[k] * (1.0f - s[k]));
-        st_shared_b16(addr(e[k]), __bfloat16_as_ushort(v));
-        now[k / 4] |= uint32_t(e[k]) << (8 * (k % 4));
-      }
-    }
+  for (int k = 0; k < kTopK; ++k) {
+    if (in.valid & (1u << k))
+      st_shared_b16(addr(int((in.experts[k / 4] >> (8 * (k % 4))) & 0xff)),
+                    uint16_t(in.grads[k / 2] >> (16 * (k % 2))));
   }
 #pragma unroll
-  for (int v = 0; v < kTopK / 4; ++v) record[v] = now[v];
+  for (int v = 0; v < kTopK / 4; ++v) record[v] = in.experts[v];
 }
 
 }  // namespace moe_routing::kernels::fused_backward
