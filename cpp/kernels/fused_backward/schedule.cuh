@@ -1,8 +1,9 @@
 // Persistent schedule of the fused backward: the units (slice, token tile), numbered slice by
-// slice, are cut into `ctas` contiguous ranges of nearly equal length, one per CTA. A range
-// may end inside one slice and continue into the next, so every SM gets the same amount of
-// work whatever the number of slices; each (slice, CTA) pair is a segment, with its own grad_w
-// partial, summed in CTA order (deterministic).
+// slice, are cut into `ctas` contiguous ranges of nearly equal length, one per CTA. The host
+// picks ctas = k · slices where it can (fused_backward.cu), which cuts every slice at the same
+// points; otherwise a range may end inside one slice and continue into the next. Each
+// (slice, CTA) pair is a segment; a slice with several segments gets one grad_w partial per
+// segment, summed in CTA order (deterministic).
 #pragma once
 
 #include <cstdint>
