@@ -15,35 +15,23 @@
 //! of the JSON object in PATH (e.g. `benches/results/h200.json`, written by the backward
 //! benchmark), replacing an earlier one. Without a CUDA device the benchmark is skipped.
 
+mod common;
+
 use std::ffi::c_void;
-use std::fmt::Write as _;
-use std::io::Write as _;
 use std::os::raw::c_int;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::Arc;
 
+use common::{
+    input_sets, json_num, json_str, method, open_session, parse_args, show, time_calls, write_json,
+    Figures, Means, Result, Timing,
+};
 use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_routing::suite::{self, Case};
+use moe_routing::suite::Case;
 use moe_routing::testing::{Inputs, Rng};
-use moe_routing::{cuda_device_count, Router, Routing};
+use moe_routing::{Router, Routing};
 
-type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
-
-/// Timed rounds per measurement; the median is reported.
-const ROUNDS: usize = 7;
-/// Shortest round: long enough that event resolution (~0.5 µs) and launch jitter vanish.
-const MIN_ROUND_US: f64 = 2000.0;
-/// Upper bound on launches per round (guards against a bogus calibration).
-const MAX_LAUNCHES: usize = 100_000;
-/// Bytes the rotated input sets must exceed in all: twice the H200's 50 MB L2.
-const MIN_ROTATED_BYTES: f64 = 2.0 * 50.0 * 1024.0 * 1024.0;
-/// At least two sets so that consecutive calls never share buffers; at most 64.
-const MIN_SETS: usize = 2;
-const MAX_SETS: usize = 64;
 /// The baseline computes the logits in another summation order, so near ties may order or
 /// pick experts differently: at most this fraction of tokens may differ in indices (a wrong
 /// transpose or leading dimension makes nearly all differ); the others must agree in weights
@@ -59,88 +47,31 @@ fn main() {
 }
 
 // ---------------------------------------------------------------------------------------
-// Command line
-
-struct Args {
-    json: PathBuf,
-    into: Option<PathBuf>,
-    filter: Option<String>,
-}
-
-fn parse_args() -> Result<Args> {
-    let (mut json, mut into, mut filter) = (None, None, None);
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = |name: &str| {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .ok_or_else(|| format!("{name} needs a value"))
-        };
-        match flag.as_str() {
-            "--json" => json = Some(PathBuf::from(value("--json")?)),
-            "--into" => into = Some(PathBuf::from(value("--into")?)),
-            "--filter" => filter = Some(value("--filter")?),
-            "-h" | "--help" => {
-                println!(
-                    "usage: bench-forward [--json PATH] [--into PATH] [--filter NAME]\n\
-                     Other flags (such as cargo's --bench) are ignored."
-                );
-                std::process::exit(0);
-            }
-            _ if !flag.starts_with('-') => filter = Some(arg),
-            _ => {}
-        }
-    }
-    let json = json
-        .or_else(|| std::env::var_os("MOE_ROUTING_BENCH_JSON").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("target/bench-forward.json"));
-    Ok(Args { json, into, filter })
-}
-
-// ---------------------------------------------------------------------------------------
 // Driver
 
 fn run() -> Result<()> {
-    let args = parse_args()?;
-    if cuda_device_count() == 0 {
-        println!("no CUDA device: benchmark skipped");
+    let args = parse_args(
+        "forward",
+        true,
+        "usage: bench-forward [--json PATH] [--into PATH] [--filter NAME]\n\
+         Other flags (such as cargo's --bench) are ignored.",
+    )?;
+    let Some(session) = open_session(&args)? else {
         return Ok(());
-    }
-    let cases: Vec<Case> = suite::load(&suite::default_path())?
-        .into_iter()
-        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
-        .collect();
-    if cases.is_empty() {
-        println!("no suite case matches the filter: nothing to time");
-    }
-
-    let ctx = CudaContext::new(0)?;
-    let stream = ctx.default_stream();
-    let device = ctx.name()?;
-    println!("device: {device}");
-    let blas = load_cublas(&stream);
-
+    };
+    let (cases, stream) = (&session.cases, &session.stream);
     print_header();
     let mut results = Vec::with_capacity(cases.len());
     for (i, case) in cases.iter().enumerate() {
-        let r = bench_case(&stream, blas.as_ref(), case, 0xF0_0000 + i as u64)?;
+        let r = bench_case(stream, session.blas.as_ref(), case, 0xF0_0000 + i as u64)?;
         print_row(case, &r);
         results.push(r);
     }
-    let summary = Summary::of(&cases, &results);
-    summary.print(&device);
-    let json = to_json(&device, &cases, &results, &summary);
-    if let Some(dir) = args.json.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(&args.json, &json)
-        .map_err(|e| format!("writing {}: {e}", args.json.display()))?;
-    println!("results written to {}", args.json.display());
+    let summary = summary(cases, &results);
+    summary.print();
+    println!("device: {}", session.device);
+    let json = to_json(&session.device, cases, &results, &summary);
+    write_json(&args.json, &json)?;
     if let Some(into) = &args.into {
         let text = std::fs::read_to_string(into)
             .map_err(|e| format!("reading {}: {e}", into.display()))?;
@@ -164,33 +95,6 @@ fn with_forward_section(text: &str, section: &str) -> Option<String> {
         return None;
     }
     Some(format!("{body}{KEY}{section}\n}}\n"))
-}
-
-/// Creates the cuBLAS handle, or `None` (with a message) when libcublas cannot be loaded:
-/// cudarc loads it at first use and panics if it is not found, so the panic is caught here
-/// and the fused kernel is still timed.
-fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
-    // Silence the default hook for this one call; the message is reported below instead.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let created = catch_unwind(AssertUnwindSafe(|| CudaBlas::new(stream.clone())));
-    std::panic::set_hook(hook);
-    let why = match created {
-        Ok(Ok(blas)) => return Some(blas),
-        Ok(Err(e)) => format!("creating the cuBLAS handle failed: {e}"),
-        Err(panic) => panic
-            .downcast_ref::<String>()
-            .cloned()
-            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-            .unwrap_or_else(|| "cuBLAS could not be loaded".into()),
-    };
-    println!(
-        "warning: unfused baseline skipped: {why}\n\
-         warning: libcublas was not found; put the directory that holds libcublas.so.13 \
-         (e.g. a Python package's site-packages/nvidia/cu13/lib or nvidia/cublas/lib) on \
-         LD_LIBRARY_PATH. The fused kernel is still timed; unfused fields are null."
-    );
-    None
 }
 
 // ---------------------------------------------------------------------------------------
@@ -222,13 +126,6 @@ impl InputSet {
     }
 }
 
-/// A measured time per call and how it was obtained.
-#[derive(Clone, Copy)]
-struct Timing {
-    us: f64,
-    launches: usize,
-}
-
 struct CaseResult {
     sets: usize,
     fused: Timing,
@@ -243,8 +140,7 @@ fn bench_case(
 ) -> Result<CaseResult> {
     let router = Router::new(case.config)?;
     let (tokens, cfg) = (case.tokens, router.config());
-    let sets =
-        ((MIN_ROTATED_BYTES / case.forward_bytes()).ceil() as usize).clamp(MIN_SETS, MAX_SETS);
+    let sets = input_sets(case.forward_bytes());
     let mut rng = Rng::new(seed);
     let mut inputs = (0..sets)
         .map(|_| InputSet::new(stream, &router, tokens, &mut rng))
@@ -409,73 +305,15 @@ fn unfused_forward(
 }
 
 // ---------------------------------------------------------------------------------------
-// Timing
-
-/// GPU time per call of `call(i)` (which uses input set `i % sets`): CUDA events around
-/// rounds of back-to-back calls, median of [`ROUNDS`] rounds, after warm-up.
-fn time_calls(
-    stream: &Arc<CudaStream>,
-    sets: usize,
-    mut call: impl FnMut(usize) -> Result<()>,
-) -> Result<Timing> {
-    // Warm-up: one call on every set (module loading, cuBLAS heuristics, first touch).
-    for i in 0..sets {
-        call(i)?;
-    }
-    stream.synchronize()?;
-
-    // Events made by cudarc default to CU_EVENT_DISABLE_TIMING, so ask for timing ones.
-    let ctx = stream.context();
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    // Launch counts are multiples of `sets`, so every round starts on set 0 right after a
-    // round that ended on the last set: no two consecutive calls share a set.
-    let mut round = |launches: usize| -> Result<f64> {
-        start.record(stream)?;
-        for i in 0..launches {
-            call(i)?;
-        }
-        end.record(stream)?;
-        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / launches as f64)
-    };
-
-    // Calibrate the launch count on a short round, so that a round lasts >= MIN_ROUND_US.
-    let estimate_us = round(sets * 8usize.div_ceil(sets))?;
-    let launches = ((MIN_ROUND_US / estimate_us.max(1e-3)).ceil() as usize)
-        .clamp(1, MAX_LAUNCHES)
-        .div_ceil(sets)
-        * sets;
-    let mut per_call = (0..ROUNDS)
-        .map(|_| round(launches))
-        .collect::<Result<Vec<f64>>>()?;
-    per_call.sort_by(f64::total_cmp);
-    Ok(Timing {
-        us: per_call[ROUNDS / 2],
-        launches,
-    })
-}
-
-// ---------------------------------------------------------------------------------------
 // Report
 
-/// Derived figures of one case.
-struct Figures {
-    sol_us: f64,
-    fused_tbps: f64,
-    sol_pct: f64,
-    speedup: Option<f64>,
-}
-
-impl Figures {
-    fn of(case: &Case, r: &CaseResult) -> Self {
-        let sol_us = case.forward_sol_s() * 1e6;
-        Self {
-            sol_us,
-            fused_tbps: case.forward_bytes() / (r.fused.us * 1e-6) / 1e12,
-            sol_pct: sol_us / r.fused.us * 100.0,
-            speedup: r.unfused.map(|u| u.us / r.fused.us),
-        }
-    }
+fn figures(case: &Case, r: &CaseResult) -> Figures {
+    Figures::new(
+        case.forward_sol_s(),
+        case.forward_bytes(),
+        r.fused,
+        r.unfused,
+    )
 }
 
 fn print_header() {
@@ -486,109 +324,39 @@ fn print_header() {
 }
 
 fn print_row(case: &Case, r: &CaseResult) {
-    let f = Figures::of(case, r);
-    let or_dash = |v: Option<f64>, digits: usize, suffix: &str| {
-        v.map_or("—".to_string(), |v| format!("{v:.digits$}{suffix}"))
-    };
+    let f = figures(case, r);
     println!(
         "{:<16} {:>6} {:>10.2} {:>11} {:>8.2} {:>6.2} {:>5.1}% {:>8} {:>5}",
         case.name,
         case.tokens,
         r.fused.us,
-        or_dash(r.unfused.map(|u| u.us), 2, ""),
+        show(r.unfused.map(|u| u.us), 2, ""),
         f.sol_us,
         f.fused_tbps,
         f.sol_pct,
-        or_dash(f.speedup, 2, "x"),
+        show(f.speedup, 2, "x"),
         r.sets,
     );
-    let _ = std::io::stdout().flush();
+    common::flush();
 }
 
-fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
-    let (sum, n) = values
-        .into_iter()
-        .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-    (n > 0).then(|| sum / n as f64)
+fn summary(cases: &[Case], results: &[CaseResult]) -> Means {
+    let figures: Vec<Figures> = cases
+        .iter()
+        .zip(results)
+        .map(|(c, r)| figures(c, r))
+        .collect();
+    let fused: Vec<Timing> = results.iter().map(|r| r.fused).collect();
+    let unfused: Vec<Option<Timing>> = results.iter().map(|r| r.unfused).collect();
+    Means::of(&figures, &fused, &unfused)
 }
 
-struct Summary {
-    sol_pct: Option<f64>,
-    speedup: Option<f64>,
-    fused_us: Option<f64>,
-    unfused_us: Option<f64>,
-}
-
-impl Summary {
-    fn of(cases: &[Case], results: &[CaseResult]) -> Self {
-        let figures: Vec<Figures> = cases
-            .iter()
-            .zip(results)
-            .map(|(c, r)| Figures::of(c, r))
-            .collect();
-        // Baseline means only when every case has the baseline.
-        let all_unfused = results.iter().all(|r| r.unfused.is_some());
-        Self {
-            sol_pct: mean(figures.iter().map(|f| f.sol_pct)),
-            speedup: mean(figures.iter().filter_map(|f| f.speedup)).filter(|_| all_unfused),
-            fused_us: mean(results.iter().map(|r| r.fused.us)),
-            unfused_us: mean(results.iter().filter_map(|r| r.unfused.map(|u| u.us)))
-                .filter(|_| all_unfused),
-        }
-    }
-
-    fn print(&self, device: &str) {
-        let show = |v: Option<f64>, digits: usize| {
-            v.map_or("—".to_string(), |v| format!("{v:.digits$}"))
-        };
-        println!("mean fused %SOL:          {}%", show(self.sol_pct, 1));
-        println!("mean speedup vs unfused:  {}x", show(self.speedup, 2));
-        println!("mean fused µs:            {}", show(self.fused_us, 2));
-        println!("mean unfused µs:          {}", show(self.unfused_us, 2));
-        println!("device: {device}");
-    }
-}
-
-/// `s` as a JSON string literal.
-fn json_str(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if u32::from(c) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// A number, or null when absent or not finite (JSON has no NaN or infinity).
-fn json_num(v: Option<f64>) -> String {
-    match v {
-        Some(v) if v.is_finite() => format!("{v:.4}"),
-        _ => "null".into(),
-    }
-}
-
-fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Summary) -> String {
-    let method = format!(
-        "CUDA events, median of {ROUNDS} rounds of N back-to-back calls, S input sets rotated \
-         (>= 100 MB); per case N is `launches` (a round lasts >= {} ms) and S is `sets`",
-        MIN_ROUND_US / 1e3
-    );
+fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Means) -> String {
     let rows: Vec<String> = cases
         .iter()
         .zip(results)
         .map(|(case, r)| {
-            let f = Figures::of(case, r);
+            let f = figures(case, r);
             format!(
                 "{{\"name\": {}, \"tokens\": {}, \"fused_us\": {}, \"unfused_us\": {}, \
                  \"sol_us\": {}, \"fused_tbps\": {}, \"sol_pct\": {}, \"speedup\": {}, \
@@ -611,7 +379,7 @@ fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Summary) ->
          \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
          \"mean_unfused_us\": {}}}\n",
         json_str(device),
-        json_str(&method),
+        json_str(&method()),
         rows.join(",\n  "),
         json_num(s.sol_pct),
         json_num(s.speedup),

@@ -1,0 +1,316 @@
+//! What the forward and backward benchmarks share: the command line, the suite and device
+//! setup, cuBLAS loading, the timing method, the derived figures and the JSON helpers.
+// Each benchmark is its own crate and uses only part of this module.
+#![allow(dead_code)]
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaStream};
+use moe_routing::cuda_device_count;
+use moe_routing::suite::{self, Case};
+
+pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
+
+/// Timed rounds per measurement; the median is reported.
+pub const ROUNDS: usize = 7;
+/// Shortest round: long enough that event resolution (~0.5 µs) and launch jitter vanish.
+pub const MIN_ROUND_US: f64 = 2000.0;
+/// Upper bound on launches per round (guards against a bogus calibration).
+pub const MAX_LAUNCHES: usize = 100_000;
+/// Bytes the rotated input sets must exceed in all: twice the H200's 50 MB L2.
+pub const MIN_ROTATED_BYTES: f64 = 2.0 * 50.0 * 1024.0 * 1024.0;
+/// At least two sets even when one exceeds the L2 many times, so that consecutive calls never
+/// share buffers (w and grad_w alone would otherwise stay cached); at most 64.
+pub const MIN_SETS: usize = 2;
+pub const MAX_SETS: usize = 64;
+
+/// Input sets to rotate among when one call moves `bytes` (what the SOL counts).
+pub fn input_sets(bytes: f64) -> usize {
+    ((MIN_ROTATED_BYTES / bytes).ceil() as usize).clamp(MIN_SETS, MAX_SETS)
+}
+
+// ---------------------------------------------------------------------------------------
+// Command line
+
+pub struct Args {
+    pub json: PathBuf,
+    pub into: Option<PathBuf>,
+    pub filter: Option<String>,
+}
+
+/// `--json PATH`, `--filter NAME` (or a bare NAME, as `cargo bench -- NAME` passes it) and,
+/// where `accepts_into`, `--into PATH`; other flags (such as cargo's `--bench`) are ignored.
+/// The JSON path defaults to `$MOE_ROUTING_BENCH_JSON`, else `target/bench-<name>.json`.
+pub fn parse_args(name: &str, accepts_into: bool, usage: &str) -> Result<Args> {
+    let (mut json, mut into, mut filter) = (None, None, None);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (arg.clone(), None),
+        };
+        let mut value = |name: &str| {
+            inline
+                .clone()
+                .or_else(|| args.next())
+                .ok_or_else(|| format!("{name} needs a value"))
+        };
+        match flag.as_str() {
+            "--json" => json = Some(PathBuf::from(value("--json")?)),
+            "--into" if accepts_into => into = Some(PathBuf::from(value("--into")?)),
+            "--filter" => filter = Some(value("--filter")?),
+            "-h" | "--help" => {
+                println!("{usage}");
+                std::process::exit(0);
+            }
+            _ if !flag.starts_with('-') => filter = Some(arg),
+            _ => {}
+        }
+    }
+    let json = json
+        .or_else(|| std::env::var_os("MOE_ROUTING_BENCH_JSON").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from(format!("target/bench-{name}.json")));
+    Ok(Args { json, into, filter })
+}
+
+// ---------------------------------------------------------------------------------------
+// Setup and output
+
+/// The suite cases to time, the device's stream and name, and cuBLAS if it loads.
+pub struct Session {
+    pub cases: Vec<Case>,
+    pub stream: Arc<CudaStream>,
+    pub device: String,
+    pub blas: Option<CudaBlas>,
+}
+
+/// `None` (with a message) where there is no CUDA device.
+pub fn open_session(args: &Args) -> Result<Option<Session>> {
+    if cuda_device_count() == 0 {
+        println!("no CUDA device: benchmark skipped");
+        return Ok(None);
+    }
+    let cases: Vec<Case> = suite::load(&suite::default_path())?
+        .into_iter()
+        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
+        .collect();
+    if cases.is_empty() {
+        println!("no suite case matches the filter: nothing to time");
+    }
+    let ctx = CudaContext::new(0)?;
+    let stream = ctx.default_stream();
+    let device = ctx.name()?;
+    println!("device: {device}");
+    let blas = load_cublas(&stream);
+    Ok(Some(Session {
+        cases,
+        stream,
+        device,
+        blas,
+    }))
+}
+
+/// Writes `json` to `path`, creating its folder.
+pub fn write_json(path: &Path, json: &str) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, json).map_err(|e| format!("writing {}: {e}", path.display()))?;
+    println!("results written to {}", path.display());
+    Ok(())
+}
+
+/// Creates the cuBLAS handle, or `None` (with a message) when libcublas cannot be loaded:
+/// cudarc loads it at first use and panics if it is not found, so the panic is caught here
+/// and the fused kernel is still timed.
+fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
+    // Silence the default hook for this one call; the message is reported below instead.
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let created = catch_unwind(AssertUnwindSafe(|| CudaBlas::new(stream.clone())));
+    std::panic::set_hook(hook);
+    let why = match created {
+        Ok(Ok(blas)) => return Some(blas),
+        Ok(Err(e)) => format!("creating the cuBLAS handle failed: {e}"),
+        Err(panic) => panic
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "cuBLAS could not be loaded".into()),
+    };
+    println!(
+        "warning: unfused baseline skipped: {why}\n\
+         warning: libcublas was not found; put the directory that holds libcublas.so.13 \
+         (e.g. a Python package's site-packages/nvidia/cu13/lib or nvidia/cublas/lib) on \
+         LD_LIBRARY_PATH. The fused kernel is still timed; unfused fields are null."
+    );
+    None
+}
+
+// ---------------------------------------------------------------------------------------
+// Timing
+
+/// A measured time per call and how it was obtained.
+#[derive(Clone, Copy)]
+pub struct Timing {
+    pub us: f64,
+    pub launches: usize,
+}
+
+/// GPU time per call of `call(i)` (which uses input set `i % sets`): CUDA events around
+/// rounds of back-to-back calls, median of [`ROUNDS`] rounds, after warm-up.
+pub fn time_calls(
+    stream: &Arc<CudaStream>,
+    sets: usize,
+    mut call: impl FnMut(usize) -> Result<()>,
+) -> Result<Timing> {
+    // Warm-up: one call on every set (module loading, cuBLAS heuristics, first touch).
+    for i in 0..sets {
+        call(i)?;
+    }
+    stream.synchronize()?;
+
+    // Events made by cudarc default to CU_EVENT_DISABLE_TIMING, so ask for timing ones.
+    let ctx = stream.context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    // Launch counts are multiples of `sets`, so every round starts on set 0 right after a
+    // round that ended on the last set: no two consecutive calls share a set.
+    let mut round = |launches: usize| -> Result<f64> {
+        start.record(stream)?;
+        for i in 0..launches {
+            call(i)?;
+        }
+        end.record(stream)?;
+        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / launches as f64)
+    };
+
+    // Calibrate the launch count on a short round, so that a round lasts >= MIN_ROUND_US.
+    let estimate_us = round(sets * 8usize.div_ceil(sets))?;
+    let launches = ((MIN_ROUND_US / estimate_us.max(1e-3)).ceil() as usize)
+        .clamp(1, MAX_LAUNCHES)
+        .div_ceil(sets)
+        * sets;
+    let mut per_call = (0..ROUNDS)
+        .map(|_| round(launches))
+        .collect::<Result<Vec<f64>>>()?;
+    per_call.sort_by(f64::total_cmp);
+    Ok(Timing {
+        us: per_call[ROUNDS / 2],
+        launches,
+    })
+}
+
+/// The timing method, as the JSON's `method` says it.
+pub fn method() -> String {
+    format!(
+        "CUDA events, median of {ROUNDS} rounds of N back-to-back calls, S input sets rotated \
+         (>= 100 MB); per case N is `launches` (a round lasts >= {} ms) and S is `sets`",
+        MIN_ROUND_US / 1e3
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// Report
+
+/// Derived figures of one case, from its speed of light and bytes per call.
+pub struct Figures {
+    pub sol_us: f64,
+    pub fused_tbps: f64,
+    pub sol_pct: f64,
+    pub speedup: Option<f64>,
+}
+
+impl Figures {
+    pub fn new(sol_s: f64, bytes: f64, fused: Timing, unfused: Option<Timing>) -> Self {
+        let sol_us = sol_s * 1e6;
+        Self {
+            sol_us,
+            fused_tbps: bytes / (fused.us * 1e-6) / 1e12,
+            sol_pct: sol_us / fused.us * 100.0,
+            speedup: unfused.map(|u| u.us / fused.us),
+        }
+    }
+}
+
+/// The suite means both benchmarks report.
+pub struct Means {
+    pub sol_pct: Option<f64>,
+    pub speedup: Option<f64>,
+    pub fused_us: Option<f64>,
+    pub unfused_us: Option<f64>,
+}
+
+impl Means {
+    pub fn of(figures: &[Figures], fused: &[Timing], unfused: &[Option<Timing>]) -> Self {
+        // Baseline means only when every case has the baseline, or they would average a
+        // different subset of cases than the fused means.
+        let all_unfused = unfused.iter().all(Option::is_some);
+        Self {
+            sol_pct: mean(figures.iter().map(|f| f.sol_pct)),
+            speedup: mean(figures.iter().filter_map(|f| f.speedup)).filter(|_| all_unfused),
+            fused_us: mean(fused.iter().map(|t| t.us)),
+            unfused_us: mean(unfused.iter().filter_map(|u| u.map(|u| u.us)))
+                .filter(|_| all_unfused),
+        }
+    }
+
+    pub fn print(&self) {
+        println!("mean fused %SOL:          {}%", show(self.sol_pct, 1, ""));
+        println!("mean speedup vs unfused:  {}x", show(self.speedup, 2, ""));
+        println!("mean fused µs:            {}", show(self.fused_us, 2, ""));
+        println!("mean unfused µs:          {}", show(self.unfused_us, 2, ""));
+    }
+}
+
+/// `v` with `digits` decimals and `suffix`, or a dash.
+pub fn show(v: Option<f64>, digits: usize, suffix: &str) -> String {
+    v.map_or("—".to_string(), |v| format!("{v:.digits$}{suffix}"))
+}
+
+/// Results arrive case by case over minutes; show each as soon as it is known.
+pub fn flush() {
+    let _ = std::io::stdout().flush();
+}
+
+pub fn mean(values: impl IntoIterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / n as f64)
+}
+
+/// `s` as a JSON string literal.
+pub fn json_str(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if u32::from(c) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// A number, or null when absent or not finite (JSON has no NaN or infinity).
+pub fn json_num(v: Option<f64>) -> String {
+    match v {
+        Some(v) if v.is_finite() => format!("{v:.4}"),
+        _ => "null".into(),
+    }
+}
