@@ -1,4 +1,5 @@
 // Dispatch of the fused backward: split of the token range over the GPU's SMs.
+#include <algorithm>
 #include <atomic>
 
 #include "fused_backward.h"
@@ -18,11 +19,9 @@ constexpr int64_t kTileT = 128, kTileH = 128;
 int plan_ctas(int64_t units, int64_t tiles, int num_sms) {
   constexpr double kWritePartial = 0.3, kReadPartial = 0.35;
   const int64_t slices = units / tiles;
-  const int64_t most = (num_sms < kFusedMaxCtas ? num_sms : kFusedMaxCtas) / slices;
-  if (most < 1) {
-    const int64_t ctas = num_sms < kFusedMaxCtas ? num_sms : kFusedMaxCtas;
-    return int(units < ctas ? units : ctas);
-  }
+  const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
+  const int64_t most = grid / slices;
+  if (most < 1) return int(std::min(units, grid));
   int best = 1;
   double best_cost = 0.0;
   for (int64_t k = 1; k <= most && k <= tiles; ++k) {
@@ -70,7 +69,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const int ctas = plan_ctas(tiles * slices, tiles, sm_count(device));
   switch (cfg.n_routed_experts) {
-    case 160: return launch_fused_backward_e<160, 8>(cfg, a, ctas, stream);
+    case 160: return launch_fused_backward_e<160, 8>(cfg, a, device, ctas, stream);
     default: return Status::kUnsupported;
   }
 }

@@ -22,7 +22,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, 
 
 // One instantiation per (expert count, top-k), each in its own translation unit.
 template <int kExperts, int kTopK>
-Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int ctas,
-                               cudaStream_t stream);
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
+                               int ctas, cudaStream_t stream);
 
 }  // namespace moe_routing::detail

@@ -3,5 +3,5 @@
 
 namespace moe_routing::detail {
 template Status launch_fused_backward_e<160, 8>(const RouterConfig&, const BackwardArgs&, int,
-                                                cudaStream_t);
+                                                int, cudaStream_t);
 }  // namespace moe_routing::detail

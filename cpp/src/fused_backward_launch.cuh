@@ -12,8 +12,8 @@
 namespace moe_routing::detail {
 
 template <int kExperts, int kTopK>
-Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int ctas,
-                               cudaStream_t stream) {
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                               int ctas, cudaStream_t stream) {
   using namespace cute;
   namespace fb = kernels::fused_backward;
   using Cfg = fb::Config<kExperts, kTopK>;
@@ -49,8 +49,6 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   auto kernel = fb::fused_backward_sm90<Cfg, P>;
   // The shared-memory opt-in is per device and sticks: set it once per device.
   static std::atomic<uint64_t> smem_set{0};
-  int device = 0;
-  if (Status s = cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
   const uint64_t bit = uint64_t(1) << (device & 63);
   if (!(smem_set.load(std::memory_order_acquire) & bit)) {
     RelaxedCaptureScope relaxed;

@@ -81,8 +81,9 @@ Status check_host(const Buffer& b) {
   return Status::kSuccess;
 }
 
-// Pass 2: device (or managed) memory of `device`.
-Status check_device(const Buffer& b, int device) {
+// Pass 2: device (or managed) memory of `*device`; where that is still unknown (-1: a capturing
+// stream), the first buffer checked names it.
+Status check_device(const Buffer& b, int* device) {
   if (b.need == 0) return Status::kSuccess;
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, b.ptr) != cudaSuccess) {
@@ -90,7 +91,8 @@ Status check_device(const Buffer& b, int device) {
     return Status::kForeignPointer;
   }
   const bool on_device = attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
-  return on_device && attr.device == device ? Status::kSuccess : Status::kForeignPointer;
+  if (on_device && *device < 0) *device = attr.device;
+  return on_device && attr.device == *device ? Status::kSuccess : Status::kForeignPointer;
 }
 
 // T·H and T·K must fit the 64-bit index space and T the grid.
@@ -107,23 +109,12 @@ Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int* device) {
     if (Status s = check_host(b); s != Status::kSuccess) return s;
   RelaxedCaptureScope relaxed;
   if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
-  for (const Buffer& b : buffers) {
-    if (*device >= 0 || b.need == 0) continue;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, b.ptr) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return Status::kForeignPointer;
-    }
-    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
-      return Status::kForeignPointer;
-    *device = attr.device;
-  }
+  for (const Buffer& b : buffers)
+    if (Status s = check_device(b, device); s != Status::kSuccess) return s;
   if (*device < 0 && cudaGetDevice(device) != cudaSuccess) {  // no buffer needed
     (void)cudaGetLastError();
     return Status::kCudaError;
   }
-  for (const Buffer& b : buffers)
-    if (Status s = check_device(b, *device); s != Status::kSuccess) return s;
   return Status::kSuccess;
 }
 
