@@ -95,6 +95,35 @@ fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
     s.clone_dtoh(d).unwrap()
 }
 
+/// Bit patterns, for comparisons that must be exact (NaN included).
+trait Bits: Copy {
+    fn bits(self) -> u64;
+}
+impl Bits for f64 {
+    fn bits(self) -> u64 {
+        self.to_bits()
+    }
+}
+impl Bits for f32 {
+    fn bits(self) -> u64 {
+        self.to_bits().into()
+    }
+}
+impl Bits for bf16 {
+    fn bits(self) -> u64 {
+        self.to_bits().into()
+    }
+}
+impl Bits for i32 {
+    fn bits(self) -> u64 {
+        self as u32 as u64
+    }
+}
+
+fn bits<T: Bits>(v: &[T]) -> Vec<u64> {
+    v.iter().map(|&a| a.bits()).collect()
+}
+
 /// Device buffer filled with NaN (all bits set) so that unwritten outputs show.
 fn poisoned<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
     // SAFETY: filled right below, before any read.
@@ -474,7 +503,6 @@ fn backward_is_deterministic(s: &Arc<CudaStream>) {
             opts,
             None,
         );
-        let bits = |v: &[f64]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
         assert!(
             bits(&a.grad_x) == bits(&b.grad_x),
             "grad_x differs between runs ({precision:?})"
@@ -935,19 +963,14 @@ fn graph_capture(_: &Arc<CudaStream>) {
     };
     let snapshot = |out: &Routing, gx: &[CudaSlice<bf16>; 2], gw: &[CudaSlice<f32>; 2]| {
         s.synchronize().unwrap();
-        let f = |v: Vec<f32>| v.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
-        let h = |v: Vec<bf16>| v.iter().map(|a| a.to_bits() as u32).collect::<Vec<u32>>();
         [
-            download(&s, &out.topk_idx)
-                .iter()
-                .map(|&a| a as u32)
-                .collect(),
-            f(download(&s, &out.topk_weights)),
-            f(download(&s, &out.topk_scores)),
-            h(download(&s, &gx[0])),
-            h(download(&s, &gx[1])),
-            f(download(&s, &gw[0])),
-            f(download(&s, &gw[1])),
+            bits(&download(&s, &out.topk_idx)),
+            bits(&download(&s, &out.topk_weights)),
+            bits(&download(&s, &out.topk_scores)),
+            bits(&download(&s, &gx[0])),
+            bits(&download(&s, &gx[1])),
+            bits(&download(&s, &gw[0])),
+            bits(&download(&s, &gw[1])),
         ]
     };
 
@@ -1261,7 +1284,6 @@ fn forward_optional_outputs(s: &Arc<CudaStream>) {
         let idx = download(s, &out.topk_idx);
         let wts = download(s, &out.topk_weights);
         let sc = download(s, &out.topk_scores);
-        let bits = |v: &[f32]| v.iter().map(|a| a.to_bits()).collect::<Vec<_>>();
         assert_eq!(idx, plain.idx, "{label}: topk_idx with extras");
         assert_eq!(
             bits(&wts),
@@ -1317,7 +1339,6 @@ fn forward_is_deterministic(s: &Arc<CudaStream>) {
         let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
         let a = gpu_forward(s, &router, tokens, &inp);
         let b = gpu_forward(s, &router, tokens, &inp);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(a.idx, b.idx, "T={tokens} seed {seed}");
         assert_eq!(bits(&a.weights), bits(&b.weights), "T={tokens} seed {seed}");
         assert_eq!(bits(&a.scores), bits(&b.scores), "T={tokens} seed {seed}");
@@ -1411,20 +1432,13 @@ fn two_streams(_: &Arc<CudaStream>) {
             )
             .unwrap();
     };
-    let snapshot = |s: &Arc<CudaStream>, j: &Job| -> Vec<Vec<u32>> {
+    let snapshot = |s: &Arc<CudaStream>, j: &Job| -> Vec<Vec<u64>> {
         s.synchronize().unwrap();
-        let f = |v: Vec<f32>| v.iter().map(|a| a.to_bits()).collect::<Vec<u32>>();
         vec![
-            download(s, &j.out.topk_idx)
-                .iter()
-                .map(|&a| a as u32)
-                .collect(),
-            f(download(s, &j.out.topk_weights)),
-            download(s, &j.gx)
-                .iter()
-                .map(|a| a.to_bits() as u32)
-                .collect(),
-            f(download(s, &j.gw)),
+            bits(&download(s, &j.out.topk_idx)),
+            bits(&download(s, &j.out.topk_weights)),
+            bits(&download(s, &j.gx)),
+            bits(&download(s, &j.gw)),
         ]
     };
     let alone: Vec<_> = streams
