@@ -20,7 +20,7 @@ use std::os::raw::c_int;
 use std::sync::Arc;
 
 use common::{
-    input_sets, json_num, json_str, mean, method, open_session, parse_args, show, time_calls,
+    case_json, input_sets, mean, open_session, parse_args, results_json, show, time_calls,
     write_json, Figures, Means, Result, Timing,
 };
 use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
@@ -438,35 +438,10 @@ fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Summary) ->
         .zip(results)
         .map(|(case, r)| {
             let f = figures(case, r);
-            format!(
-                "{{\"name\": {}, \"tokens\": {}, \"fused_us\": {}, \"precise_us\": {}, \
-                 \"unfused_us\": {}, \"sol_us\": {}, \"fused_tbps\": {}, \"sol_pct\": {}, \
-                 \"speedup\": {}, \"sets\": {}, \"launches\": {}}}",
-                json_str(&case.name),
-                case.tokens,
-                json_num(Some(r.fused.us)),
-                json_num(Some(r.precise.us)),
-                json_num(r.unfused.map(|u| u.us)),
-                json_num(Some(f.sol_us)),
-                json_num(Some(f.fused_tbps)),
-                json_num(Some(f.sol_pct)),
-                json_num(f.speedup),
-                r.sets,
-                r.fused.launches,
-            )
+            let precise = Some(("precise_us", r.precise.us));
+            case_json(case, r.fused, precise, r.unfused, &f, r.sets)
         })
         .collect();
-    format!(
-        "{{\"device\": {}, \"method\": {}, \"pass\": \"backward\",\n \"cases\": [\n  {}\n ],\n \
-         \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
-         \"mean_unfused_us\": {}, \"mean_precise_ratio\": {}}}\n",
-        json_str(device),
-        json_str(&method()),
-        rows.join(",\n  "),
-        json_num(s.means.sol_pct),
-        json_num(s.means.speedup),
-        json_num(s.means.fused_us),
-        json_num(s.means.unfused_us),
-        json_num(s.precise_ratio),
-    )
+    let precise_ratio = Some(("mean_precise_ratio", s.precise_ratio));
+    results_json(device, "backward", &rows, &s.means, precise_ratio)
 }

@@ -22,7 +22,7 @@ use std::os::raw::c_int;
 use std::sync::Arc;
 
 use common::{
-    input_sets, json_num, json_str, method, open_session, parse_args, show, time_calls, write_json,
+    case_json, input_sets, open_session, parse_args, results_json, show, time_calls, write_json,
     Figures, Means, Result, Timing,
 };
 use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
@@ -355,35 +355,7 @@ fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Means) -> S
     let rows: Vec<String> = cases
         .iter()
         .zip(results)
-        .map(|(case, r)| {
-            let f = figures(case, r);
-            format!(
-                "{{\"name\": {}, \"tokens\": {}, \"fused_us\": {}, \"unfused_us\": {}, \
-                 \"sol_us\": {}, \"fused_tbps\": {}, \"sol_pct\": {}, \"speedup\": {}, \
-                 \"sets\": {}, \"launches\": {}}}",
-                json_str(&case.name),
-                case.tokens,
-                json_num(Some(r.fused.us)),
-                json_num(r.unfused.map(|u| u.us)),
-                json_num(Some(f.sol_us)),
-                json_num(Some(f.fused_tbps)),
-                json_num(Some(f.sol_pct)),
-                json_num(f.speedup),
-                r.sets,
-                r.fused.launches,
-            )
-        })
+        .map(|(case, r)| case_json(case, r.fused, None, r.unfused, &figures(case, r), r.sets))
         .collect();
-    format!(
-        "{{\"device\": {}, \"method\": {}, \"pass\": \"forward\",\n \"cases\": [\n  {}\n ],\n \
-         \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
-         \"mean_unfused_us\": {}}}\n",
-        json_str(device),
-        json_str(&method()),
-        rows.join(",\n  "),
-        json_num(s.sol_pct),
-        json_num(s.speedup),
-        json_num(s.fused_us),
-        json_num(s.unfused_us),
-    )
+    results_json(device, "forward", &rows, s, None)
 }

@@ -314,3 +314,60 @@ pub fn json_num(v: Option<f64>) -> String {
         _ => "null".into(),
     }
 }
+
+/// One case of the results file; `extra` (such as the backward's `precise_us`) follows
+/// `fused_us`.
+pub fn case_json(
+    case: &Case,
+    fused: Timing,
+    extra: Option<(&str, f64)>,
+    unfused: Option<Timing>,
+    f: &Figures,
+    sets: usize,
+) -> String {
+    let extra = extra.map_or(String::new(), |(k, v)| {
+        format!(", \"{k}\": {}", json_num(Some(v)))
+    });
+    format!(
+        "{{\"name\": {}, \"tokens\": {}, \"fused_us\": {}{extra}, \"unfused_us\": {}, \
+         \"sol_us\": {}, \"fused_tbps\": {}, \"sol_pct\": {}, \"speedup\": {}, \
+         \"sets\": {}, \"launches\": {}}}",
+        json_str(&case.name),
+        case.tokens,
+        json_num(Some(fused.us)),
+        json_num(unfused.map(|u| u.us)),
+        json_num(Some(f.sol_us)),
+        json_num(Some(f.fused_tbps)),
+        json_num(Some(f.sol_pct)),
+        json_num(f.speedup),
+        sets,
+        fused.launches,
+    )
+}
+
+/// The results file of one pass: device, method, the cases and the means; `extra` (such as
+/// the backward's `mean_precise_ratio`) comes last.
+pub fn results_json(
+    device: &str,
+    pass: &str,
+    cases: &[String],
+    m: &Means,
+    extra: Option<(&str, Option<f64>)>,
+) -> String {
+    let extra = extra.map_or(String::new(), |(k, v)| {
+        format!(", \"{k}\": {}", json_num(v))
+    });
+    format!(
+        "{{\"device\": {}, \"method\": {}, \"pass\": {},\n \"cases\": [\n  {}\n ],\n \
+         \"mean_sol_pct\": {}, \"mean_speedup\": {}, \"mean_fused_us\": {}, \
+         \"mean_unfused_us\": {}{extra}}}\n",
+        json_str(device),
+        json_str(&method()),
+        json_str(pass),
+        cases.join(",\n  "),
+        json_num(m.sol_pct),
+        json_num(m.speedup),
+        json_num(m.fused_us),
+        json_num(m.unfused_us),
+    )
+}
