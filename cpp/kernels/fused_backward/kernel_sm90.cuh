@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   const LinearSchedule sched = p.sched;
   const int64_t unit0 = sched.begin(cta);
   const int count = int(sched.begin(cta + 1) - unit0);
-  const int64_t tiles = sched.tiles;
+  const int tiles = int(sched.tiles);  // < 2^31 / kTileT
 
   Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
   Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
@@ -105,12 +105,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                            make_coord(_, _));  // (h, t, slice, tile)
     auto [tXgX, tXsX] = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
                                       group_modes<0, 2>(gX));  // (TMA, slice, tile), (TMA, stage)
-    auto load_x = [&](int n) {  // thread 0
-      const int64_t u = unit0 + n;
+    UnitCursor x_unit(unit0, tiles);  // unit of the next x load
+    auto load_x = [&](int n) {  // thread 0, units in order
       const int s = n % kStagesX;
       Barrier::wait(&smem.x_empty[s], ((n / kStagesX) & 1) ^ 1);
       FullBarrier::arrive_and_expect_tx(&smem.x_full[s], Cfg::kXBytes);
-      copy(p.tma_x.with(smem.x_full[s]), tXgX(_, int(u / tiles), int(u % tiles)), tXsX(_, s));
+      copy(p.tma_x.with(smem.x_full[s]), tXgX(_, x_unit.slice, x_unit.tile), tXsX(_, s));
+      x_unit.next(tiles);
     };
     // Building G(n) waits for unit n - kStagesG to be released; so is then the x stage of
     // unit n + kAhead: x is issued kAhead + 1 units before it is consumed.
@@ -123,18 +124,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Routing inputs are loaded a unit ahead and packed at the end of the previous iteration:
     // their latency hides behind a whole build, and only the packed row stays live.
     TokenRouting<Cfg::kTopK> loaded;
-    auto load_routing = [&](int n) {
+    UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
+    auto load_routing = [&] {  // units in order
       loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                  (unit0 + n) % tiles * kTileT + thread, p.tokens);
+                  int64_t(g_unit.tile) * kTileT + thread, p.tokens);
+      g_unit.next(tiles);
     };
     PackedRow<Cfg::kTopK> row{};
     if (count > 0) {
-      load_routing(0);
+      load_routing();
       row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
     }
     for (int n = 0; n < count; ++n) {
       const int s = n % kStagesG;
-      if (n + 1 < count) load_routing(n + 1);
+      if (n + 1 < count) load_routing();
       Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
       if (thread == 0 && n + kAhead < count) load_x(n + kAhead);
       store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
@@ -149,7 +152,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int ct = threadIdx.x - 128;  // consumer thread
-  const int wg = ct / 128;           // consumer warpgroup: hidden columns [64 wg, 64 wg + 64)
+  // Consumer warpgroup (hidden columns [64 wg, 64 wg + 64)), broadcast so that the compiler
+  // sees a warp-uniform value (uniform registers, not per-thread ones).
+  const int wg = __shfl_sync(0xffffffffu, ct / 128, 0);
   const bool leader = (ct % 128) == 0;
   typename Cfg::MmaDgrad mma_d;
   typename Cfg::MmaWgrad mma_w;
@@ -277,32 +282,48 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
   };
   // The partials of a slice summed in CTA order: the same bits whichever CTA finishes last.
+  // A slot is [E][kTileH], laid out as the slice's rows of grad_w: each thread owns every
+  // 256th 16-byte vector of it and, per partial, issues all its loads before adding, so a
+  // partial costs one memory round trip rather than one per vector.
   auto reduce_grad_w = [&](int64_t slice) {
     __threadfence();
+    constexpr int kVecsPerRow = kTileH / 4;
+    constexpr int kVecs = kExperts * kVecsPerRow / 256;  // per consumer thread
+    static_assert(kExperts * kVecsPerRow % 256 == 0, "vectors split evenly");
     const int first = sched.first_cta(slice), last = sched.last_cta(slice);
     const int64_t h0 = slice * kTileH;
-    constexpr int kVecsPerRow = kTileH / 4;
-    for (int i = ct; i < kExperts * kVecsPerRow; i += 256) {
-      const int e = i / kVecsPerRow, h = (i % kVecsPerRow) * 4;
-      float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + h0 + h);
-      float4 sum = p.accumulate ? *dst : make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int c = first; c <= last; ++c) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(partial(slice, c) + e * kTileH + h));
-        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-      }
-      *dst = sum;
+    auto grad_w_vec = [&](int j) {
+      const int i = ct + 256 * j, e = i / kVecsPerRow, h = i % kVecsPerRow * 4;
+      return reinterpret_cast<float4*>(p.grad_w + e * H + h0 + h);
+    };
+    float4 sum[kVecs];
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j)
+      sum[j] = p.accumulate ? __ldcg(grad_w_vec(j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = first; c <= last; ++c) {
+      const float4* src = reinterpret_cast<const float4*>(partial(slice, c)) + ct;
+      float4 v[kVecs];
+      CUTE_UNROLL
+      for (int j = 0; j < kVecs; ++j) v[j] = __ldcg(src + 256 * j);
+      CUTE_UNROLL
+      for (int j = 0; j < kVecs; ++j)
+        sum[j].x += v[j].x, sum[j].y += v[j].y, sum[j].z += v[j].z, sum[j].w += v[j].w;
     }
+    CUTE_UNROLL
+    for (int j = 0; j < kVecs; ++j) __stcg(grad_w_vec(j), sum[j]);
     if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
   };
 
   int64_t reduce0 = -1, reduce1 = -1;  // slices this CTA sums at the end
   if (count > 0) {
-    int64_t seg_first_tile = unit0 % tiles;
-    load_w(unit0 / tiles);
+    UnitCursor unit(unit0, tiles);
+    int seg_first_tile = unit.tile;
+    load_w(unit.slice);
     clear(acc_w);
     warpgroup_fence_operand(acc_w);
     for (int n = 0; n < count; ++n) {
-      const int64_t u = unit0 + n, slice = u / tiles, tile = u % tiles;
+      const int slice = unit.slice, tile = unit.tile;
+      unit.next(tiles);
       wait_unit(n);
       issue_dgrad(n);
       issue_wgrad(n);

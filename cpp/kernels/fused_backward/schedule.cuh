@@ -33,4 +33,16 @@ struct LinearSchedule {
   __host__ __device__ static int64_t slot(int64_t s, int c) { return s + c; }
 };
 
+// Walks a CTA's units in order as (slice, tile): one division where it starts, none per unit
+// (64-bit divisions and their registers stay out of the loops).
+struct UnitCursor {
+  int slice = 0;
+  int tile = 0;
+  __device__ UnitCursor(int64_t unit, int64_t tiles)
+      : slice(int(unit / tiles)), tile(int(unit % tiles)) {}
+  __device__ void next(int tiles) {
+    if (++tile == tiles) tile = 0, ++slice;
+  }
+};
+
 }  // namespace moe_routing::kernels::fused_backward
