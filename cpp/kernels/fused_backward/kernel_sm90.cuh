@@ -46,6 +46,13 @@ struct Params {
   LinearSchedule sched{};
 };
 
+// Adds one to a grad_w ticket (acquire and release at GPU scope); returns the old count.
+__device__ __forceinline__ int ticket_acq_rel(int* ticket) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  return old;
+}
+
 // Named barriers (0 is __syncthreads).
 enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2 };
 
@@ -271,11 +278,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     Tensor tWgP = thr_w.partition_C(gP);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i) tWgP(i) = acc_w(i);
-    __threadfence();
+    // One release for the CTA: the barrier orders every thread's partial stores before
+    // thread 0's acq_rel ticket (cumulativity), so no thread needs a fence of its own. The
+    // acquire half lets the last contributor's reads (after the next barrier) see the others'.
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
     if (ct == 0) {
       const int contributors = sched.last_cta(slice) - sched.first_cta(slice) + 1;
-      smem.last_contributor = atomicAdd(p.tickets + slice, 1) == contributors - 1;
+      smem.last_contributor = ticket_acq_rel(p.tickets + slice) == contributors - 1;
     }
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
     // Broadcast from lane 0, so that the compiler sees a warp-uniform value.
@@ -285,8 +294,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // A slot is [E][kTileH], laid out as the slice's rows of grad_w: each thread owns every
   // 256th 16-byte vector of it and, per partial, issues all its loads before adding, so a
   // partial costs one memory round trip rather than one per vector.
-  auto reduce_grad_w = [&](int64_t slice) {
-    __threadfence();
+  auto reduce_grad_w = [&](int64_t slice) {  // (ordered after the others' partials: see flush)
     constexpr int kVecsPerRow = kTileH / 4;
     constexpr int kVecs = kExperts * kVecsPerRow / 256;  // per consumer thread
     static_assert(kExperts * kVecsPerRow % 256 == 0, "vectors split evenly");

@@ -8,11 +8,13 @@
 //   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
 // Then, with no global traffic:
 //   cluster sync 1  every CTA is past its main loop: pipeline smem may be overwritten
-//   each consumer stores its partial logits into the reduction buffer of the CTA that owns
-//   the row (rows [r·128/kSplit, (r+1)·128/kSplit) belong to rank r), slot = its own rank
-//   cluster sync 2  all partials have landed
-//   the owner sums the slots in rank order (the same bits every run) and routes its rows:
-//   8 lanes per token, 32 tokens per pass over the 8 consumer warps.
+//   each consumer stores its partial logits (all kTileT rows) into its own CTA's buffer
+//   cluster sync 2  every partial is in place
+//   the owner of rows [r·128/kSplit, (r+1)·128/kSplit) (rank r) reads those rows from every
+//   CTA of the cluster (16-byte distributed-shared-memory loads, all in flight at once), sums
+//   them in rank order (the same bits every run) over its own copy of the rows, which no other
+//   CTA reads, and routes them: 8 lanes per token, 32 tokens per pass over the 8 consumer
+//   warps. A CTA leaves only once every CTA is done reading its buffer (arrive / wait).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -49,6 +51,33 @@ enum : uint32_t { kBarConsumers = 1 };  // named barrier (0 is __syncthreads)
 
 constexpr int kRouteWidth = 8;  // lanes per token in the routing epilogue
 
+// Distributed shared memory: the address of the same bytes in CTA `rank` of the cluster, and
+// a 16-byte load from there.
+__device__ __forceinline__ uint32_t map_dsmem(uint32_t smem_addr, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr), "r"(rank));
+  return out;
+}
+__device__ __forceinline__ float4 ld_dsmem_f32x4(uint32_t cluster_addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr)
+               : "memory");
+  return v;
+}
+// Cluster barrier in two halves: arrive (release: this thread's reads and writes before it are
+// done) and wait (acquire).
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_constant__ const P p) {
   namespace cg = cooperative_groups;
@@ -84,7 +113,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     if (threadIdx.x == 0)
       produce<Cfg>(smem, p.tma_x, p.tma_w, p.tokens, p.hidden, tile, kb_begin, kb_end);
     cluster.sync();  // 1: this CTA's loads were all consumed
-    cluster.sync();  // 2: partials exchanged; the producer has nothing more to do
+    cluster.sync();  // 2: partials in place; the producer has nothing more to do
+    cluster_arrive_relaxed();  // 3: (nothing read from other CTAs)
+    cluster_wait();
     return;
   }
 
@@ -97,28 +128,49 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
 
   cluster.sync();  // 1: every CTA of the cluster is done with its pipeline buffers
 
-  // Partial logits → the owner's reduction buffer (slot `rank`), by coordinate: no assumption
-  // on the accumulator's register layout.
+  // Partial logits → this CTA's buffer, rows as in the tile, by coordinate: no assumption on
+  // the accumulator's register layout beyond pairs of adjacent experts (8-byte stores).
+  float* red = smem.buf.red;
   {
     Tensor cC = make_identity_tensor(Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (t, e) → (t, e)
     Tensor tCcC = mma.get_thread_slice(ct).partition_C(cC);  // (MMA, MMA_M, MMA_N), like acc
     static_assert(decltype(size(tCcC))::value == decltype(size(acc))::value, "coordinates");
-    float* red = smem.buf.red;
+    static_assert(size<0, 0>(decltype(tCcC){}) == 2, "accumulator pairs run along e");
     CUTE_UNROLL
-    for (int i = 0; i < size(acc); ++i) {
+    for (int i = 0; i < size(acc); i += 2) {
       const int m = get<0>(tCcC(i)), e = get<1>(tCcC(i));
-      const int owner = m / rows, r = m % rows;
-      float* dst = cluster.map_shared_rank(red, owner);
-      dst[(rank * rows + r) * kStride + e] = acc(i);
+      *reinterpret_cast<float2*>(red + m * kStride + e) = make_float2(acc(i), acc(i + 1));
     }
   }
 
-  cluster.sync();  // 2: every partial has landed; from here on, only this CTA's smem
+  cluster.sync();  // 2: every partial is in place
+
+  // This CTA's rows, summed over the cluster in rank order into its own copy of them.
+  const int row0_local = rank * rows;
+  if (split > 1) {
+    constexpr int kVecsPerRow = kExperts / 4;
+    const uint32_t base = cute::cast_smem_ptr_to_uint(red + row0_local * kStride);
+    for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
+      const uint32_t offset = uint32_t((v / kVecsPerRow * kStride + v % kVecsPerRow * 4) * 4);
+      float4 part[Cfg::kMaxSplit];
+      CUTE_UNROLL
+      for (int s = 0; s < Cfg::kMaxSplit; ++s)
+        if (s < split) part[s] = ld_dsmem_f32x4(map_dsmem(base + offset, s));
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      CUTE_UNROLL
+      for (int s = 0; s < Cfg::kMaxSplit; ++s)
+        if (s < split)
+          sum.x += part[s].x, sum.y += part[s].y, sum.z += part[s].z, sum.w += part[s].w;
+      *reinterpret_cast<float4*>(red + row0_local * kStride + offset / 4) = sum;
+    }
+  }
+  cluster_arrive();  // 3: done reading the other CTAs' buffers (waited for before leaving)
+  cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);  // sums → routing
 
   const int warp = ct / 32, lane = ct % 32;
   const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
   const int sub = lane % kRouteWidth;
-  float* choice_row = smem.buf.red + (kTileT + slot) * kStride;  // scratch after the buffer
+  float* choice_row = red + (kTileT + slot) * kStride;  // scratch after the buffer
   float bias[Route::kPer];
   CUTE_UNROLL
   for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
@@ -135,12 +187,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     const int64_t t = row0 + r;
     float logit[Route::kPer];
     CUTE_UNROLL
-    for (int i = 0; i < Route::kPer; ++i) {
-      float v = 0.0f;
-      if (in)
-        for (int s = 0; s < split; ++s) v += smem.buf.red[(s * rows + r) * kStride + sub + kRouteWidth * i];
-      logit[i] = v;
-    }
+    for (int i = 0; i < Route::kPer; ++i)  // (0 + x: the bits of a sum that starts at zero)
+      logit[i] = in ? 0.0f + red[(row0_local + r) * kStride + sub + kRouteWidth * i] : 0.0f;
     Route::run(logit, bias, gid, choice_row, p.route, out, t, in && t < p.tokens);
   }
 
@@ -149,6 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     for (int e = ct; e < kExperts; e += 128 * Cfg::kConsumers)
       if (smem.counts[e]) atomicAdd(p.counts + e, smem.counts[e]);
   }
+  cluster_wait();  // 3: no CTA reads this one's buffer any more
 }
 
 }  // namespace moe_routing::kernels::fused_forward
