@@ -50,16 +50,28 @@ for section in $sections; do
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         "$bench" --bench --filter t32768 --json "$out/ncu-bench.json" ;;
     sanitize)
-      # Small shapes, zero tokens, validation, and the tails T=3001 and T=10007 plus two
-      # multiples of 128, under each tool.
-      export MOE_ROUTING_SUITE_CASES=t512_g1x1,t3001_g8x4,t8192_g8x4,t10007_g1x1
+      # Small shapes, zero tokens, validation, and four suite cases with the tails T=3001 and
+      # T=10007, under each tool. One process per (tool, test, suite case), SANITIZE_JOBS at
+      # a time (racecheck of the larger backward cases takes minutes).
+      cases="t512_g1x1 t1536_g4x2 t3001_g8x4 t10007_g1x1"
+      jobs=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-        for t in backward_small_shapes zero_tokens invalid_arguments suite_backward suite_forward; do
-          step "sanitize-$tool-$t" 300 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-            "$bin/test-gpu-test" "$t"
+        for t in backward_small_shapes zero_tokens invalid_arguments forward_fused_shapes; do
+          jobs+=("$tool $t -")
+        done
+        for t in suite_backward suite_forward; do
+          for c in $cases; do jobs+=("$tool $t $c"); done
         done
       done
-      unset MOE_ROUTING_SUITE_CASES ;;
+      printf '%s\n' "${jobs[@]}" | xargs -P "${SANITIZE_JOBS:-16}" -L 1 sh -c '
+        # $0 = OUT_DIR, $1 = BIN_DIR, then tool, test, suite case (- for none)
+        log="$0/sanitize-$2-$3-$4.log"
+        [ "$4" = - ] || export MOE_ROUTING_SUITE_CASES="$4"
+        timeout "${SANITIZE_LIMIT:-480}" compute-sanitizer --tool "$2" --error-exitcode 9 \
+          "$1/test-gpu-test" "$3" > "$log" 2>&1
+        echo "$2 $3 $4: exit $? | $(grep -E "^gpu:" "$log" | tail -1) | $(grep -E "SUMMARY" "$log" | tail -1)"
+      ' "$out" "$bin" | sort | tee "$out/sanitize-summary.txt"
+      grep -qv ": exit 0 |" "$out/sanitize-summary.txt" && status=1 ;;
     example)
       [ -x "$bin/router_example" ] && step cpp-example 120 "$bin/router_example" ;;
     python)

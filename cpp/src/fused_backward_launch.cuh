@@ -58,8 +58,15 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
       return s;
     smem_set.fetch_or(bit, std::memory_order_release);
   }
-  kernel<<<unsigned(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return last_launch_status();
+  cudaLaunchAttribute attr = dependent_launch_attribute();
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3(unsigned(ctas));
+  c.blockDim = dim3(Cfg::kThreads);
+  c.dynamicSmemBytes = Cfg::kSmemBytes;
+  c.stream = stream;
+  c.attrs = &attr;
+  c.numAttrs = 1;
+  return cuda_status(cudaLaunchKernelEx(&c, kernel, p));
 }
 
 }  // namespace moe_routing::detail

@@ -126,8 +126,9 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
       return s;
   }
   const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
-  cudaLaunchAttribute attr{};
-  const cudaLaunchConfig_t c = K::config(unsigned(tiles * split), split, stream, &attr);
+  cudaLaunchAttribute attrs[2] = {{}, dependent_launch_attribute()};
+  cudaLaunchConfig_t c = K::config(unsigned(tiles * split), split, stream, attrs);
+  c.numAttrs = 2;
   return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
 }
 

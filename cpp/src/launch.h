@@ -36,4 +36,14 @@ class RelaxedCaptureScope {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Launch attribute of the fused kernels: they may start while the stream's previous kernel is
+// still running, and wait for it on the device before touching global memory
+// (kernels/dependent_launch.cuh).
+inline cudaLaunchAttribute dependent_launch_attribute() {
+  cudaLaunchAttribute a{};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
 }  // namespace moe_routing::detail

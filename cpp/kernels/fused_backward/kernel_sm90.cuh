@@ -19,6 +19,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/fused_backward/config.cuh"
 #include "kernels/fused_backward/routing_grad_tile.cuh"
 #include "kernels/fused_backward/schedule.cuh"
@@ -102,6 +103,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  allow_dependent_grids();
+  wait_for_prior_grids();  // global memory from here on
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer

@@ -23,6 +23,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
+#include "kernels/dependent_launch.cuh"
 #include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
@@ -106,6 +107,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   }
   for (int e = threadIdx.x; e < kExperts; e += Cfg::kThreads) smem.counts[e] = 0;
   __syncthreads();
+  allow_dependent_grids();
+  wait_for_prior_grids();  // global memory from here on
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
