@@ -7,8 +7,9 @@
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B
 // Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers,
 // 64 tokens each. After the main loop the pipeline buffers are reused as the reduction
-// buffer sRed: every CTA of the cluster writes its partial logits into the CTA that owns
-// the rows (distributed shared memory), and the owner sums them in rank order.
+// buffer: every CTA stores its partial logits there, and the CTA that owns a row range reads
+// those rows from every CTA of the cluster (distributed shared memory) and sums them in rank
+// order.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -77,9 +78,10 @@ struct Config {
   static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) == kExperts,
                 "one wgmma spans all experts");
 
-  // Reduction buffer (fp32): [kSplit source ranks][kTileT / kSplit owned rows][kRedStride].
-  // The +8 padding makes the accumulator's float stores (8 rows × 4 column pairs per warp)
-  // and the routing's row reads (4 rows × 8 columns) bank-conflict free.
+  // Reduction buffer (fp32): [kTileT rows][kRedStride], this CTA's partial logits; the rows
+  // the CTA owns are then overwritten with their sums. The +8 padding makes the accumulator's
+  // pair stores (8 rows × 4 column pairs per warp) and the routing's row reads (4 rows × 8
+  // columns) bank-conflict free.
   static constexpr int kRedStride = kExperts + 8;
   // After it, one scratch row per token of a routing pass (32 tokens).
   static constexpr int kScratchRows = 32;
