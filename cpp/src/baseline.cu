@@ -4,6 +4,7 @@
 //   forward:  the routing from fp32 logits [T, E] (after the GEMM x·wᵀ)
 #include <cuda_bf16.h>
 
+#include "forward_params.h"
 #include "kernels/route_warp.cuh"
 #include "kernels/routing.cuh"
 #include "launch.h"
@@ -89,19 +90,11 @@ Status route_from_logits(const RouterConfig& cfg, int64_t tokens, const float* l
   if (tokens < 0 || tokens > INT32_MAX) return Status::kInvalidShape;
   if (tokens == 0) return Status::kSuccess;
   if (!logits || !bias || !topk_idx || !topk_weights || !topk_scores) return Status::kNullPointer;
-  kernels::ForwardParams p{};
+  kernels::ForwardParams p = detail::forward_params(cfg, tokens);
   p.bias = bias;
   p.topk_idx = topk_idx;
   p.topk_weights = topk_weights;
   p.topk_scores = topk_scores;
-  p.tokens = tokens;
-  p.hidden = int(cfg.hidden_size);
-  p.experts = int(cfg.n_routed_experts);
-  p.top_k = int(cfg.num_experts_per_tok);
-  p.n_group = int(cfg.n_group);
-  p.topk_group = int(cfg.topk_group);
-  p.scale = cfg.routed_scaling_factor;
-  p.norm = cfg.norm_topk_prob;
   const size_t smem = kernels::kRouteWarps * kernels::route_scratch_bytes(p.experts, p.n_group);
   if (smem > 48 * 1024) return Status::kUnsupported;  // no opt-in: a benchmark helper
   kernels::route_from_logits<<<unsigned(detail::ceil_div(tokens, kernels::kRouteWarps)),

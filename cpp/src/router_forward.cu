@@ -1,4 +1,5 @@
 // Host launcher of the forward: the fused kernel where it handles the shape, else the simple one.
+#include "forward_params.h"
 #include "fused_forward.h"
 #include "kernels/forward_simple.cuh"
 #include "launch.h"
@@ -20,7 +21,7 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   if (detail::fused_forward_supported(cfg, a))
     return detail::launch_fused_forward(cfg, a, device, stream);
 
-  kernels::ForwardParams p{};
+  kernels::ForwardParams p = detail::forward_params(cfg, a.tokens);
   p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
   p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
   p.bias = a.bias.data;
@@ -29,14 +30,6 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   p.topk_scores = a.topk_scores.data;
   p.scores = a.scores.data;
   p.counts = a.expert_counts.data;
-  p.tokens = a.tokens;
-  p.hidden = int(cfg.hidden_size);
-  p.experts = int(cfg.n_routed_experts);
-  p.top_k = int(cfg.num_experts_per_tok);
-  p.n_group = int(cfg.n_group);
-  p.topk_group = int(cfg.topk_group);
-  p.scale = cfg.routed_scaling_factor;
-  p.norm = cfg.norm_topk_prob;
   if (p.counts) {
     if (Status s = detail::cuda_status(
             cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * size_t(p.experts), stream));

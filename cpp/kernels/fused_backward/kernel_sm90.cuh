@@ -325,13 +325,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
   };
 
+  // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
+  auto begin_segment = [&](int slice) {
+    load_w(slice);
+    clear(acc_w);
+    warpgroup_fence_operand(acc_w);
+  };
+
   int64_t reduce0 = -1, reduce1 = -1;  // slices this CTA sums at the end
   if (count > 0) {
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
-    load_w(unit.slice);
-    clear(acc_w);
-    warpgroup_fence_operand(acc_w);
+    begin_segment(unit.slice);
     for (int n = 0; n < count; ++n) {
       const int slice = unit.slice, tile = unit.tile;
       unit.next(tiles);
@@ -353,9 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         reduce0 = r0;
         if (n + 1 < count) {
           seg_first_tile = 0;
-          load_w(slice + 1);
-          clear(acc_w);
-          warpgroup_fence_operand(acc_w);
+          begin_segment(slice + 1);
         }
       }
     }
