@@ -30,10 +30,10 @@ int active_clusters(int device, int which, int64_t experts) {
   int n = 0;
   const int split = kSplits[which];
   switch (experts) {
-    case 64: n = fused_forward_active_clusters<64>(split); break;
-    case 128: n = fused_forward_active_clusters<128>(split); break;
-    case 160: n = fused_forward_active_clusters<160>(split); break;
-    case 256: n = fused_forward_active_clusters<256>(split); break;
+    case 64: n = fused_forward_active_clusters<64>(split, device); break;
+    case 128: n = fused_forward_active_clusters<128>(split, device); break;
+    case 160: n = fused_forward_active_clusters<160>(split, device); break;
+    case 256: n = fused_forward_active_clusters<256>(split, device); break;
     default: break;
   }
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
@@ -75,10 +75,10 @@ Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int d
                             cudaStream_t stream) {
   const int split = plan(cfg, a.tokens, device);
   switch (cfg.n_routed_experts) {
-    case 64: return launch_fused_forward_e<64>(cfg, a, split, stream);
-    case 128: return launch_fused_forward_e<128>(cfg, a, split, stream);
-    case 160: return launch_fused_forward_e<160>(cfg, a, split, stream);
-    case 256: return launch_fused_forward_e<256>(cfg, a, split, stream);
+    case 64: return launch_fused_forward_e<64>(cfg, a, device, split, stream);
+    case 128: return launch_fused_forward_e<128>(cfg, a, device, split, stream);
+    case 160: return launch_fused_forward_e<160>(cfg, a, device, split, stream);
+    case 256: return launch_fused_forward_e<256>(cfg, a, device, split, stream);
     default: return Status::kUnsupported;
   }
 }

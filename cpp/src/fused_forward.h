@@ -14,11 +14,12 @@ Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, in
 // One instantiation per expert count, each in its own translation unit. `split`: cluster size
 // (CTAs sharing a token tile along the hidden dimension), 1, 2, 4, 8 or 16.
 template <int kExperts>
-Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& args, int split,
-                              cudaStream_t stream);
+Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& args, int device,
+                              int split, cudaStream_t stream);
 
 // Clusters of `split` CTAs of the E-expert kernel that fit the device at once (0: none).
+// `device` (both functions): the validated device of the call, also the current one.
 template <int kExperts>
-int fused_forward_active_clusters(int split);
+int fused_forward_active_clusters(int split, int device);
 
 }  // namespace moe_routing::detail

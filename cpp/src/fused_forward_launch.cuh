@@ -75,14 +75,10 @@ struct Kernel {
 }  // namespace fused_forward_impl
 
 template <int kExperts>
-int fused_forward_active_clusters(int split) {
+int fused_forward_active_clusters(int split, int device) {
   using K = fused_forward_impl::Kernel<kExperts>;
   RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || K::prepare(device) != Status::kSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  if (K::prepare(device) != Status::kSuccess) return 0;
   cudaLaunchAttribute attr{};
   const cudaLaunchConfig_t c = K::config(unsigned(split), split, nullptr, &attr);
   int n = 0;
@@ -94,13 +90,11 @@ int fused_forward_active_clusters(int split) {
 }
 
 template <int kExperts>
-Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int split,
-                              cudaStream_t stream) {
+Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int device,
+                              int split, cudaStream_t stream) {
   using K = fused_forward_impl::Kernel<kExperts>;
   using Cfg = typename K::Cfg;
   using Elem = typename K::Elem;
-  int device = 0;
-  if (Status s = cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
   if (Status s = K::prepare(device); s != Status::kSuccess) return s;
 
   typename K::P p = fused_forward_impl::make_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
