@@ -15,15 +15,13 @@
 
 mod common;
 
-use std::ffi::c_void;
-use std::os::raw::c_int;
 use std::sync::Arc;
 
 use common::{
-    case_json, input_sets, mean, open_session, parse_args, results_json, show, time_calls,
-    write_json, Figures, Means, Result, Timing,
+    case_json, gemm, gemm_dims, input_sets, mean, open_session, parse_args, results_json, show,
+    time_calls, write_json, Figures, Means, Operand, Result, Timing,
 };
-use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moe_routing::suite::Case;
@@ -274,7 +272,6 @@ fn unfused_backward(
     dense: &mut CudaSlice<bf16>,
 ) -> Result<()> {
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-    use cublas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
 
     router.baseline_routing_grad_dense(
         stream,
@@ -284,73 +281,41 @@ fn unfused_backward(
         &set.grad_topk_weights,
         dense,
     )?;
-    let cfg = router.config();
-    let t = c_int::try_from(tokens)?;
-    let e = c_int::try_from(cfg.n_routed_experts)?;
-    let h = c_int::try_from(cfg.hidden_size)?;
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (alpha, beta) = (
-        &alpha as *const f32 as *const c_void,
-        &beta as *const f32 as *const c_void,
-    );
+    let (t, e, h) = gemm_dims(tokens, router.config())?;
     // The guards keep the buffers alive and ordered on `stream` until both GEMMs are enqueued.
     let (g, _g) = dense.device_ptr(stream);
     let (x, _x) = set.x.device_ptr(stream);
     let (w, _w) = set.w.device_ptr(stream);
     let (grad_x, _grad_x) = set.grad_x.device_ptr_mut(stream);
     let (grad_w, _grad_w) = set.grad_w.device_ptr_mut(stream);
-    let handle = *blas.handle();
-    let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-    let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
     // SAFETY: every pointer addresses a live device allocation of the size the shapes imply
-    // (checked by the router for G, by construction for the rest); alpha and beta are host
-    // f32 values, as the handle's default (host) pointer mode and the 32F compute type need.
+    // (checked by the router for G, by construction for the rest).
     unsafe {
         // grad_x [T, H] = G [T, E] · w [E, H]; column-major: grad_xᵀ [H, T] = wᵀ [H, E] · Gᵀ [E, T],
         // where wᵀ and Gᵀ are w and G as stored (leading dimensions H and E).
-        gemm_ex(
-            handle,
+        gemm(
+            blas,
             CUBLAS_OP_N,
             CUBLAS_OP_N,
             h,
             t,
             e,
-            alpha,
-            w as *const c_void,
-            CUDA_R_16BF,
-            h,
-            g as *const c_void,
-            CUDA_R_16BF,
-            e,
-            beta,
-            grad_x as *mut c_void,
-            CUDA_R_16BF,
-            h,
-            compute,
-            algo,
+            Operand::bf16(w, h),
+            Operand::bf16(g, e),
+            Operand::bf16(grad_x, h),
         )?;
         // grad_w [E, H] = Gᵀ [E, T] · x [T, H]; column-major: grad_wᵀ [H, E] = xᵀ [H, T] · G [T, E],
         // where xᵀ is x as stored (leading dimension H) and G is the stored Gᵀ [E, T] transposed.
-        gemm_ex(
-            handle,
+        gemm(
+            blas,
             CUBLAS_OP_N,
             CUBLAS_OP_T,
             h,
             e,
             t,
-            alpha,
-            x as *const c_void,
-            CUDA_R_16BF,
-            h,
-            g as *const c_void,
-            CUDA_R_16BF,
-            e,
-            beta,
-            grad_w as *mut c_void,
-            CUDA_R_32F,
-            h,
-            compute,
-            algo,
+            Operand::bf16(x, h),
+            Operand::bf16(g, e),
+            Operand::f32(grad_w, h),
         )?;
     }
     Ok(())

@@ -17,15 +17,13 @@
 
 mod common;
 
-use std::ffi::c_void;
-use std::os::raw::c_int;
 use std::sync::Arc;
 
 use common::{
-    case_json, input_sets, open_session, parse_args, results_json, show, time_calls, write_json,
-    Figures, Means, Result, Timing,
+    case_json, gemm, gemm_dims, input_sets, open_session, parse_args, results_json, show,
+    time_calls, write_json, Figures, Means, Operand, Result, Timing,
 };
-use cudarc::cublas::{result::gemm_ex, sys as cublas_sys, CudaBlas};
+use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moe_routing::suite::Case;
@@ -254,49 +252,26 @@ fn unfused_forward(
     logits: &mut CudaSlice<f32>,
 ) -> Result<()> {
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-    use cublas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
 
-    let cfg = router.config();
-    let t = c_int::try_from(tokens)?;
-    let e = c_int::try_from(cfg.n_routed_experts)?;
-    let h = c_int::try_from(cfg.hidden_size)?;
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let (alpha, beta) = (
-        &alpha as *const f32 as *const c_void,
-        &beta as *const f32 as *const c_void,
-    );
+    let (t, e, h) = gemm_dims(tokens, router.config())?;
     {
         // The guards keep the buffers alive and ordered on `stream` until the GEMM is enqueued.
         let (x, _x) = set.x.device_ptr(stream);
         let (w, _w) = set.w.device_ptr(stream);
         let (l, _l) = logits.device_ptr_mut(stream);
-        let handle = *blas.handle();
-        let compute = cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-        let algo = cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         // SAFETY: every pointer addresses a live device allocation of the size the shapes
-        // imply; alpha and beta are host f32 values, as the default (host) pointer mode and
-        // the 32F compute type need.
+        // imply.
         unsafe {
-            gemm_ex(
-                handle,
+            gemm(
+                blas,
                 CUBLAS_OP_T,
                 CUBLAS_OP_N,
                 e,
                 t,
                 h,
-                alpha,
-                w as *const c_void,
-                CUDA_R_16BF,
-                h,
-                x as *const c_void,
-                CUDA_R_16BF,
-                h,
-                beta,
-                l as *mut c_void,
-                CUDA_R_32F,
-                e,
-                compute,
-                algo,
+                Operand::bf16(w, h),
+                Operand::bf16(x, h),
+                Operand::f32(l, e),
             )?;
         }
     }

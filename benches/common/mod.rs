@@ -1,5 +1,6 @@
 //! What the forward and backward benchmarks share: the command line, the suite and device
-//! setup, cuBLAS loading, the timing method, the derived figures and the JSON helpers.
+//! setup, cuBLAS loading and GEMM calls, the timing method, the derived figures and the JSON
+//! helpers.
 // Each benchmark is its own crate and uses only part of this module.
 #![allow(dead_code)]
 
@@ -9,11 +10,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use std::ffi::c_void;
+use std::os::raw::c_int;
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
 use cudarc::driver::{CudaContext, CudaStream};
-use moe_routing::cuda_device_count;
 use moe_routing::suite::{self, Case};
+use moe_routing::{cuda_device_count, RouterConfig};
 
 pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
@@ -151,6 +157,78 @@ fn load_cublas(stream: &Arc<CudaStream>) -> Option<CudaBlas> {
          LD_LIBRARY_PATH. The fused kernel is still timed; unfused fields are null."
     );
     None
+}
+
+/// One operand of [`gemm`]: a column-major matrix on the device.
+pub struct Operand {
+    pub ptr: CUdeviceptr,
+    pub ty: cudaDataType,
+    /// Leading dimension, in elements.
+    pub ld: c_int,
+}
+
+impl Operand {
+    pub fn bf16(ptr: CUdeviceptr, ld: c_int) -> Self {
+        let ty = cudaDataType::CUDA_R_16BF;
+        Self { ptr, ty, ld }
+    }
+    pub fn f32(ptr: CUdeviceptr, ld: c_int) -> Self {
+        let ty = cudaDataType::CUDA_R_32F;
+        Self { ptr, ty, ld }
+    }
+}
+
+/// C [m, n] = op(A) [m, k] · op(B) [k, n] by cuBLAS `gemm_ex` (column-major, fp32 compute,
+/// alpha 1, beta 0), enqueued on the handle's stream.
+///
+/// # Safety
+/// Each operand addresses a live device allocation of the size that m, n, k, the transposes
+/// and its leading dimension imply, kept alive until the GEMM has run.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(
+    blas: &CudaBlas,
+    trans_a: cublasOperation_t,
+    trans_b: cublasOperation_t,
+    m: c_int,
+    n: c_int,
+    k: c_int,
+    a: Operand,
+    b: Operand,
+    c: Operand,
+) -> Result<()> {
+    // Host scalars: the handle's default (host) pointer mode, f32 for the 32F compute type.
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    gemm_ex(
+        *blas.handle(),
+        trans_a,
+        trans_b,
+        m,
+        n,
+        k,
+        &alpha as *const f32 as *const c_void,
+        a.ptr as *const c_void,
+        a.ty,
+        a.ld,
+        b.ptr as *const c_void,
+        b.ty,
+        b.ld,
+        &beta as *const f32 as *const c_void,
+        c.ptr as *mut c_void,
+        c.ty,
+        c.ld,
+        cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+    )?;
+    Ok(())
+}
+
+/// T, E and H of a call as cuBLAS dimensions.
+pub fn gemm_dims(tokens: usize, cfg: &RouterConfig) -> Result<(c_int, c_int, c_int)> {
+    Ok((
+        c_int::try_from(tokens)?,
+        c_int::try_from(cfg.n_routed_experts)?,
+        c_int::try_from(cfg.hidden_size)?,
+    ))
 }
 
 // ---------------------------------------------------------------------------------------
