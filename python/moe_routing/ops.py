@@ -130,6 +130,24 @@ def _stream(device: torch.device) -> ctypes.c_void_p:
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
+# Element type of each tensor dtype the ABI structs point to.
+_CTYPES = {
+    torch.bfloat16: ctypes.c_uint16,
+    torch.float32: ctypes.c_float,
+    torch.int32: ctypes.c_int32,
+}
+
+
+def _spans(**tensors: Tensor) -> dict:
+    """ABI struct fields for each named tensor: ``name`` (a typed pointer to its data) and
+    ``name_len`` (its element count)."""
+    fields = {}
+    for name, t in tensors.items():
+        fields[name] = _lib.ptr(t.data_ptr(), _CTYPES[t.dtype])
+        fields[name + "_len"] = t.numel()
+    return fields
+
+
 # --------------------------------------------------------------------------------------------
 # moe_routing::route
 
@@ -174,18 +192,8 @@ def route(
         struct_size=ctypes.sizeof(_lib.MoeRoutingForwardArgs),
         reserved=0,
         tokens=T,
-        x=_lib.ptr(x.data_ptr(), ctypes.c_uint16),
-        x_len=x.numel(),
-        w=_lib.ptr(w.data_ptr(), ctypes.c_uint16),
-        w_len=w.numel(),
-        bias=_lib.ptr(bias.data_ptr(), ctypes.c_float),
-        bias_len=bias.numel(),
-        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
-        topk_idx_len=topk_idx.numel(),
-        topk_weights=_lib.ptr(topk_weights.data_ptr(), ctypes.c_float),
-        topk_weights_len=topk_weights.numel(),
-        topk_scores=_lib.ptr(topk_scores.data_ptr(), ctypes.c_float),
-        topk_scores_len=topk_scores.numel(),
+        **_spans(x=x, w=w, bias=bias, topk_idx=topk_idx, topk_weights=topk_weights,
+                 topk_scores=topk_scores),
     )
     with torch.cuda.device(x.device):
         status = lib.moe_routing_forward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
@@ -260,20 +268,8 @@ def route_backward(
         struct_size=ctypes.sizeof(_lib.MoeRoutingBackwardArgs),
         precision=_lib.PRECISION_PRECISE if precise else _lib.PRECISION_DEFAULT,
         tokens=T,
-        x=_lib.ptr(x.data_ptr(), ctypes.c_uint16),
-        x_len=x.numel(),
-        w=_lib.ptr(w.data_ptr(), ctypes.c_uint16),
-        w_len=w.numel(),
-        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
-        topk_idx_len=topk_idx.numel(),
-        topk_scores=_lib.ptr(topk_scores.data_ptr(), ctypes.c_float),
-        topk_scores_len=topk_scores.numel(),
-        grad_topk_weights=_lib.ptr(grad_topk_weights.data_ptr(), ctypes.c_float),
-        grad_topk_weights_len=grad_topk_weights.numel(),
-        grad_x=_lib.ptr(grad_x.data_ptr(), ctypes.c_uint16),
-        grad_x_len=grad_x.numel(),
-        grad_w=_lib.ptr(grad_w.data_ptr(), ctypes.c_float),
-        grad_w_len=grad_w.numel(),
+        **_spans(x=x, w=w, topk_idx=topk_idx, topk_scores=topk_scores,
+                 grad_topk_weights=grad_topk_weights, grad_x=grad_x, grad_w=grad_w),
         workspace=ctypes.c_void_p(workspace.data_ptr()),
         workspace_bytes=workspace.numel(),
         accumulate_grad_w=0,
