@@ -436,19 +436,22 @@ fn random_arguments_get_the_first_error_and_never_launch() {
     for round in 0..4000 {
         let tokens = [0i64, 1, 7, 129, 3001][rng.below(5)];
         let t_or_0 = |n: i64| if tokens == 0 { 0 } else { n };
+        // One random buffer per (elements needed, alignment), in argument order.
+        let mut args = |spec: &[(i64, u64)]| -> Vec<Arg> {
+            spec.iter()
+                .enumerate()
+                .map(|(i, &(need, align))| Arg::random(&mut rng, &host, need, align, i as u64))
+                .collect()
+        };
         if round % 2 == 0 {
-            let a: Vec<Arg> = [
+            let a = args(&[
                 (tokens * h, 16),
                 (t_or_0(e * h), 16),
                 (t_or_0(e), 4),
                 (tokens * k, 4),
                 (tokens * k, 4),
                 (tokens * k, 4),
-            ]
-            .iter()
-            .enumerate()
-            .map(|(i, &(need, align))| Arg::random(&mut rng, &host, need, align, i as u64))
-            .collect();
+            ]);
             let f = ForwardArgs {
                 tokens,
                 x: a[0].ptr as *const u16,
@@ -473,7 +476,7 @@ fn random_arguments_get_the_first_error_and_never_launch() {
             }
         } else {
             let ws = unsafe { moe_routing_backward_workspace_bytes(&c, tokens) } as i64;
-            let a: Vec<Arg> = [
+            let a = args(&[
                 (tokens * h, 16),
                 (t_or_0(e * h), 16),
                 (tokens * k, 4),
@@ -482,11 +485,7 @@ fn random_arguments_get_the_first_error_and_never_launch() {
                 (tokens * h, 16),
                 (e * h, 16),
                 (ws, 256),
-            ]
-            .iter()
-            .enumerate()
-            .map(|(i, &(need, align))| Arg::random(&mut rng, &host, need, align, i as u64))
-            .collect();
+            ]);
             let b = BackwardArgs {
                 tokens,
                 x: a[0].ptr as *const u16,
