@@ -36,7 +36,18 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Accurate sigmoid in fp32 (no fast-math intrinsics: selection must match the reference).
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+// 1 / y for y = 1 + e^-x >= 1 is computed as the IEEE division's own fast path does (reciprocal
+// estimate, one Newton step): the same bits as 1.0f / y wherever y < 2^126, without the
+// division's branch to its slow path. Beyond that the score is 0 (the division would give a
+// denormal below 2^-126); y = inf gives 0, NaN stays NaN.
+__device__ __forceinline__ float sigmoid(float x) {
+  const float y = 1.0f + expf(-x);
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  const float e = fmaf(-y, r, 1.0f);
+  r = fmaf(r, e, r);
+  return y == __int_as_float(0x7f800000) ? 0.0f : r;
+}
 
 // Gradient of the routing weights with respect to the logits at the K chosen experts.
 //   out_k = c · s_k / (Σ s + 1e-20)   (norm)   or   c · s_k   (no norm)

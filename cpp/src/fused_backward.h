@@ -20,9 +20,15 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
 
-// One instantiation per (expert count, top-k), each in its own translation unit.
+// One instantiation per (expert count, top-k), each in its own translation unit. `cluster`:
+// 1, or the CTAs per slice when the grid runs in clusters of them (ctas = cluster · slices,
+// cluster <= 8).
 template <int kExperts, int kTopK>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
-                               int ctas, cudaStream_t stream);
+                               int ctas, int cluster, cudaStream_t stream);
+
+// Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
+template <int kExperts, int kTopK>
+int fused_backward_active_clusters(int cluster, int device);
 
 }  // namespace moe_routing::detail

@@ -9,9 +9,11 @@
 //              wgrad accumulated in registers over the segment; grad_x is staged while wgrad
 //              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
-// At the end of a segment the CTA writes grad_w directly (the segment is a whole slice) or a
-// partial; the last CTA to finish a slice (ticket in global memory) sums its partials in CTA
-// order, so grad_w is bitwise deterministic.
+// grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
+// deterministic. Where the grid runs in clusters (one per slice), each CTA puts its partial in
+// its own shared memory and each sums a share of the slice's rows over the cluster in rank
+// order (distributed shared memory); otherwise each CTA writes a partial to global memory and
+// the last to finish the slice (ticket) sums them.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,7 +21,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
+#include "kernels/cluster.cuh"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/trace.cuh"
 #include "kernels/fused_backward/config.cuh"
 #include "kernels/fused_backward/routing_grad_tile.cuh"
 #include "kernels/fused_backward/schedule.cuh"
@@ -44,6 +48,9 @@ struct Params {
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
+  // > 1: the grid is launched in clusters of this many CTAs, one cluster per slice
+  // (sched.ctas = cluster · sched.slices), and the cluster sums grad_w in shared memory.
+  int cluster = 1;
   LinearSchedule sched{};
 };
 
@@ -92,6 +99,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cutlass::arch::fence_view_async_shared();  // generic-proxy zeros → wgmma reads
   }
   if (threadIdx.x == 0) {
+    // Descriptors are parameters, not outputs of the previous kernel: fetch them before waiting.
+    prefetch_tma_descriptor(p.tma_x.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_gx.get_tma_descriptor());
     for (int s = 0; s < kStagesX; ++s) {
       FullBarrier::init(&smem.x_full[s], 1);  // the TMA issuer's expect-tx
       Barrier::init(&smem.x_empty[s], 128 * Cfg::kConsumers);
@@ -102,9 +112,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
     cutlass::arch::fence_barrier_init();
   }
+  MOE_ROUTING_TRACE(threadIdx.x == 0, 0);
   __syncthreads();
   allow_dependent_grids();
   wait_for_prior_grids();  // global memory from here on
+  MOE_ROUTING_TRACE(threadIdx.x == 0, 1);
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -144,6 +156,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     if (count > 0) {
       load_routing();
       row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
+      MOE_ROUTING_TRACE(thread == 0, 8);
     }
     for (int n = 0; n < count; ++n) {
       const int s = n % kStagesG;
@@ -154,7 +167,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                                      smem.set_experts[s][thread], row);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       Barrier::arrive(&smem.g_full[s]);
+      MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
       if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
+    }
+    if (p.cluster > 1) {  // the cluster barriers count every thread of the cluster
+      cluster_arrive_relaxed();
+      cluster_wait();
+      cluster_arrive_relaxed();
+      cluster_wait();
     }
     return;
   }
@@ -210,6 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
   auto wait_unit = [&](int n) {
     Barrier::wait(&smem.x_full[n % kStagesX], (n / kStagesX) & 1);
+    MOE_ROUTING_TRACE(ct == 0 && n == 0, 10);
     Barrier::wait(&smem.g_full[n % kStagesG], (n / kStagesG) & 1);
   };
   auto release_unit = [&](int n) {
@@ -325,6 +346,62 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
   };
 
+  // Cluster mode: the CTA's one segment is its cluster's slice. The partials go through the
+  // (now idle) x stages as [E][kRedStride] fp32; CTA r of the cluster then sums vectors
+  // [r·V/k, (r+1)·V/k) of the slice over the cluster in rank order and writes them to grad_w.
+  auto reduce_grad_w_cluster = [&](int slice) {
+    constexpr int kRedStride = Cfg::kRedStride;
+    static_assert(kExperts * kRedStride * sizeof(float) <= sizeof(smem.x), "partial fits");
+    float* red = reinterpret_cast<float*>(smem.x);
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
+    {
+      Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
+      Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i)
+        red[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+    }
+    cluster_arrive();  // every partial of the cluster in place
+    cluster_wait();
+    MOE_ROUTING_TRACE(ct == 0, 6);
+    constexpr int kVecsPerRow = kTileH / 4, kVecs = kExperts * kVecsPerRow;
+    constexpr int kMaxCluster = 8;
+    const int k = p.cluster, rank = cluster_rank();
+    const int v0 = rank * kVecs / k, v1 = (rank + 1) * kVecs / k;
+    const uint32_t base = cute::cast_smem_ptr_to_uint(red);
+    constexpr int kPerThread = (kVecs / 2 + 255) / 256;  // k >= 2
+    float4 sum[kPerThread];
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int v = v0 + ct + 256 * j;
+      const int e = v / kVecsPerRow, h = v % kVecsPerRow * 4;
+      float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + slice * kTileH + h);
+      sum[j] = p.accumulate && v < v1 ? __ldcg(dst) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    for (int r = 0; r < kMaxCluster && r < k; ++r) {
+      float4 part[kPerThread];
+      CUTE_UNROLL
+      for (int j = 0; j < kPerThread; ++j) {
+        const int v = v0 + ct + 256 * j;
+        const uint32_t addr = base + uint32_t((v / kVecsPerRow * kRedStride + v % kVecsPerRow * 4) * 4);
+        if (v < v1) part[j] = ld_dsmem_f32x4(map_dsmem(addr, r));
+      }
+      CUTE_UNROLL
+      for (int j = 0; j < kPerThread; ++j)
+        if (v0 + ct + 256 * j < v1)
+          sum[j].x += part[j].x, sum[j].y += part[j].y, sum[j].z += part[j].z, sum[j].w += part[j].w;
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int v = v0 + ct + 256 * j;
+      const int e = v / kVecsPerRow, h = v % kVecsPerRow * 4;
+      if (v < v1) __stcg(reinterpret_cast<float4*>(p.grad_w + e * H + slice * kTileH + h), sum[j]);
+    }
+    MOE_ROUTING_TRACE(ct == 0, 7);
+    cluster_arrive();  // done reading the other CTAs' partials
+    cluster_wait();    // and they are done reading this one's
+  };
+
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
   auto begin_segment = [&](int slice) {
     load_w(slice);
@@ -341,6 +418,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       const int slice = unit.slice, tile = unit.tile;
       unit.next(tiles);
       wait_unit(n);
+      MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
       issue_dgrad(n);
       issue_wgrad(n);
       staging_free();
@@ -350,12 +428,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit(n);
+      MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
       const bool segment_ends = n + 1 == count || tile == tiles - 1;
-      if (segment_ends) {
+      if (segment_ends && p.cluster == 1) {
         const bool mine = flush_grad_w(slice, seg_first_tile == 0 && tile == tiles - 1);
         const int64_t r0 = mine && reduce0 < 0 ? slice : reduce0;
         reduce1 = mine && reduce0 >= 0 ? slice : reduce1;
         reduce0 = r0;
+        MOE_ROUTING_TRACE(ct == 0, 3);
         if (n + 1 < count) {
           seg_first_tile = 0;
           begin_segment(slice + 1);
@@ -364,9 +444,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
+  if (p.cluster > 1) reduce_grad_w_cluster(int(unit0 / tiles));
   if (reduce0 >= 0) reduce_grad_w(reduce0);
   if (reduce1 >= 0) reduce_grad_w(reduce1);
+  MOE_ROUTING_TRACE(ct == 0, 4);
   if (leader) tma_store_wait<0>();
+  MOE_ROUTING_TRACE(ct == 0, 5);
 }
 
 }  // namespace moe_routing::kernels::fused_backward

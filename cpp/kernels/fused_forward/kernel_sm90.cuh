@@ -23,7 +23,9 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
+#include "kernels/cluster.cuh"
 #include "kernels/dependent_launch.cuh"
+#include "kernels/trace.cuh"
 #include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
@@ -52,33 +54,6 @@ enum : uint32_t { kBarConsumers = 1 };  // named barrier (0 is __syncthreads)
 
 constexpr int kRouteWidth = 8;  // lanes per token in the routing epilogue
 
-// Distributed shared memory: the address of the same bytes in CTA `rank` of the cluster, and
-// a 16-byte load from there.
-__device__ __forceinline__ uint32_t map_dsmem(uint32_t smem_addr, int rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(smem_addr), "r"(rank));
-  return out;
-}
-__device__ __forceinline__ float4 ld_dsmem_f32x4(uint32_t cluster_addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(cluster_addr)
-               : "memory");
-  return v;
-}
-// Cluster barrier in two halves: arrive (release: this thread's reads and writes before it are
-// done) and wait (acquire).
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-}
-
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_constant__ const P p) {
   namespace cg = cooperative_groups;
@@ -99,6 +74,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
+    // Descriptors are parameters, not outputs of the previous kernel: fetch them before waiting.
+    prefetch_tma_descriptor(p.tma_x.get_tma_descriptor());
+    prefetch_tma_descriptor(p.tma_w.get_tma_descriptor());
     for (int s = 0; s < Cfg::kStages; ++s) {
       FullBarrier::init(&smem.full[s], 1);
       EmptyBarrier::init(&smem.empty[s], 128 * Cfg::kConsumers);
@@ -106,9 +84,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     cutlass::arch::fence_barrier_init();
   }
   for (int e = threadIdx.x; e < kExperts; e += Cfg::kThreads) smem.counts[e] = 0;
+  MOE_ROUTING_TRACE(threadIdx.x == 0, 0);
   __syncthreads();
   allow_dependent_grids();
   wait_for_prior_grids();  // global memory from here on
+  MOE_ROUTING_TRACE(threadIdx.x == 0, 1);
 
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
@@ -128,8 +108,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   typename Cfg::Mma mma;
   Tensor acc = partition_fragment_C(mma, Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
   consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
+  MOE_ROUTING_TRACE(ct == 0, 3);
 
   cluster.sync();  // 1: every CTA of the cluster is done with its pipeline buffers
+  MOE_ROUTING_TRACE(ct == 0, 4);
 
   // Partial logits → this CTA's buffer, rows as in the tile, by coordinate: no assumption on
   // the accumulator's register layout beyond pairs of adjacent experts (8-byte stores).
@@ -147,6 +129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   }
 
   cluster.sync();  // 2: every partial is in place
+  MOE_ROUTING_TRACE(ct == 0, 5);
 
   // This CTA's rows, summed over the cluster in rank order into its own copy of them.
   const int row0_local = rank * rows;
@@ -169,6 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   }
   cluster_arrive();  // 3: done reading the other CTAs' buffers (waited for before leaving)
   cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);  // sums → routing
+  MOE_ROUTING_TRACE(ct == 0, 6);
 
   const int warp = ct / 32, lane = ct % 32;
   const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
@@ -200,7 +184,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     for (int e = ct; e < kExperts; e += 128 * Cfg::kConsumers)
       if (smem.counts[e]) atomicAdd(p.counts + e, smem.counts[e]);
   }
+  MOE_ROUTING_TRACE(ct == 0, 7);
   cluster_wait();  // 3: no CTA reads this one's buffer any more
+  MOE_ROUTING_TRACE(ct == 0, 8);
 }
 
 }  // namespace moe_routing::kernels::fused_forward

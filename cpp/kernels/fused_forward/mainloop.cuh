@@ -9,6 +9,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "kernels/fused_forward/config.cuh"
+#include "kernels/trace.cuh"
 
 namespace moe_routing::kernels::fused_forward {
 
@@ -33,8 +34,6 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
                                     group_modes<0, 2>(gX));  // (TMA, kb), (TMA, stage)
   auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
                                     group_modes<0, 2>(gW));  // (TMA, kb), (TMA, stage)
-  prefetch_tma_descriptor(tma_x.get_tma_descriptor());
-  prefetch_tma_descriptor(tma_w.get_tma_descriptor());
   for (int n = 0; kb_begin + n < kb_end; ++n) {
     const int s = n % kStages;
     const uint32_t phase = (n / kStages) & 1;
@@ -70,6 +69,7 @@ __device__ void consume(typename Cfg::SharedStorage& smem, int ct, int kb_begin,
   for (int n = 0; n < blocks; ++n) {
     const int s = n % kStages;
     FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+    MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
     CUTE_UNROLL

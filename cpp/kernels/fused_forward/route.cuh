@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/routing.cuh"
+#include "kernels/trace.cuh"
 
 namespace moe_routing::kernels::fused_forward {
 
@@ -32,6 +33,22 @@ __device__ __forceinline__ uint64_t group_max_u64(uint64_t v) {
     v = other > v ? other : v;
   }
   return v;
+}
+
+// Largest of n keys as a balanced tree: depth ⌈log2 n⌉ instead of a chain of n − 1 compares.
+template <int kN>
+__device__ __forceinline__ uint64_t max_key(const uint64_t* k) {
+  if constexpr (kN == 1) {
+    return k[0];
+  } else {
+    const uint64_t a = max_key<kN / 2>(k), b = max_key<kN - kN / 2>(k + kN / 2);
+    return a > b ? a : b;
+  }
+}
+
+// The two largest keys of a stream (k1 > k2), updated with one more.
+__device__ __forceinline__ void top2_insert(uint64_t& k1, uint64_t& k2, uint64_t k) {
+  if (k > k1) { k2 = k1; k1 = k; } else if (k > k2) { k2 = k; }
 }
 
 template <int kExperts, int kWidth>
@@ -68,6 +85,7 @@ struct TokenRoute {
       key[i] = rank_key(c, e);
       if (p.n_group > 1) choice_row[e] = c;
     }
+    MOE_ROUTING_TRACE(threadIdx.x == 128, 10);
 
     if (p.n_group > 1) {
       __syncwarp();
@@ -80,13 +98,18 @@ struct TokenRoute {
         const int g = sub + kWidth * j;
         gkey[j] = 0;
         if (g < p.n_group) {
-          uint64_t k1 = 0, k2 = 0;
-          for (int i = 0; i < per_group; ++i) {
-            const int e = g * per_group + i;
-            const uint64_t k = rank_key(choice_row[e], e);
-            if (k > k1) { k2 = k1; k1 = k; } else if (k > k2) { k2 = k; }
+          // Two interleaved scans (even and odd members), merged: half the dependent chain.
+          uint64_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
+          const int e0 = g * per_group;
+          int i = 0;
+          for (; i + 1 < per_group; i += 2) {
+            top2_insert(a1, a2, rank_key(choice_row[e0 + i], e0 + i));
+            top2_insert(b1, b2, rank_key(choice_row[e0 + i + 1], e0 + i + 1));
           }
-          gkey[j] = rank_key(choice_row[key_index(k1)] + choice_row[key_index(k2)], g);
+          if (i < per_group) top2_insert(a1, a2, rank_key(choice_row[e0 + i], e0 + i));
+          top2_insert(a1, a2, b1);
+          top2_insert(a1, a2, b2);
+          gkey[j] = rank_key(choice_row[key_index(a1)] + choice_row[key_index(a2)], g);
         }
       }
       uint32_t kept = 0;
@@ -105,30 +128,28 @@ struct TokenRoute {
       __syncwarp();  // choice_row reads done before the next token overwrites it
     }
 
+    MOE_ROUTING_TRACE(threadIdx.x == 128, 11);
     int sel_idx[kSelSlots];
     float sel_score[kSelSlots];
 #pragma unroll
     for (int j = 0; j < kSelSlots; ++j) sel_idx[j] = 0, sel_score[j] = 0.0f;
     float sum = 0.0f;
-    uint64_t local = 0;  // the lane's best remaining candidate
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) local = key[i] > local ? key[i] : local;
+    uint64_t local = max_key<kPer>(key);  // the lane's best remaining candidate
     for (int k = 0; k < p.top_k; ++k) {
       const uint64_t best = group_max_u64<kWidth>(local);
       const int e = key_index(best);
       float mine = 0.0f;
-      local = 0;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) {  // take the winner out (keys are unique: only its owner)
+      for (int i = 0; i < kPer; ++i)  // take the winner out (keys are unique: only its owner)
         if (key[i] == best) mine = score[i], key[i] = 0;
-        local = key[i] > local ? key[i] : local;
-      }
+      local = max_key<kPer>(key);
       const float s = __shfl_sync(0xFFFFFFFFu, mine, e % kWidth, kWidth);
       sum += s;  // selection order: the same bits every run
 #pragma unroll
       for (int j = 0; j < kSelSlots; ++j)
         if (k == sub + kWidth * j) sel_idx[j] = e, sel_score[j] = s;
     }
+    MOE_ROUTING_TRACE(threadIdx.x == 128, 12);
     if (!valid) return;
 #pragma unroll
     for (int j = 0; j < kSelSlots; ++j) {
