@@ -83,8 +83,8 @@ struct Config {
   // pair stores (8 rows × 4 column pairs per warp) and the routing's row reads (4 rows × 8
   // columns) bank-conflict free.
   static constexpr int kRedStride = kExperts + 8;
-  // After it, one scratch row per token of a routing pass (32 tokens).
-  static constexpr int kScratchRows = 32;
+  // After it, one scratch row per token of a routing pass (64 tokens).
+  static constexpr int kScratchRows = 64;
   static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
 
   struct alignas(1024) SharedStorage {

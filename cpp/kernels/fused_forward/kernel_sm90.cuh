@@ -157,7 +157,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   const int warp = ct / 32, lane = ct % 32;
   const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
   const int sub = lane % kRouteWidth;
-  float* choice_row = red + (kTileT + slot) * kStride;  // scratch after the buffer
   float bias[Route::kPer];
   CUTE_UNROLL
   for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
@@ -166,17 +165,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
                      p.counts ? smem.counts : nullptr};
   const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
-  constexpr int kTokensPerPass = Cfg::kConsumers * 4 * (32 / kRouteWidth);
-  static_assert(kTokensPerPass == Cfg::kScratchRows, "one scratch row per token of a pass");
-  for (int r0 = 0; r0 < rows; r0 += kTokensPerPass) {  // uniform trip count: shuffles inside
-    const int r = r0 + slot;
-    const bool in = r < rows;
-    const int64_t t = row0 + r;
-    float logit[Route::kPer];
+  constexpr int kSlots = Cfg::kConsumers * 4 * (32 / kRouteWidth);  // token slots: 32
+  static_assert(2 * kSlots == Cfg::kScratchRows, "one scratch row per token of a pass");
+  // A pass routes kTok tokens per slot (uniform trip count: shuffles inside). Two where the
+  // CTA has the rows for it and the registers (up to 20 experts per lane; more would spill).
+  auto pass = [&](auto tok, int r0) {
+    constexpr int kTok = decltype(tok)::value;
+    float logit[kTok][Route::kPer];
+    float* choice_row[kTok];
+    int64_t t[kTok];
+    bool valid[kTok];
     CUTE_UNROLL
-    for (int i = 0; i < Route::kPer; ++i)  // (0 + x: the bits of a sum that starts at zero)
-      logit[i] = in ? 0.0f + red[(row0_local + r) * kStride + sub + kRouteWidth * i] : 0.0f;
-    Route::run(logit, bias, gid, choice_row, p.route, out, t, in && t < p.tokens);
+    for (int u = 0; u < kTok; ++u) {
+      const int r = r0 + u * kSlots + slot;
+      const bool in = r < rows;
+      t[u] = row0 + r;
+      valid[u] = in && t[u] < p.tokens;
+      choice_row[u] = red + (kTileT + u * kSlots + slot) * kStride;  // scratch after the rows
+      CUTE_UNROLL
+      for (int i = 0; i < Route::kPer; ++i)  // (0 + x: the bits of a sum that starts at zero)
+        logit[u][i] = in ? 0.0f + red[(row0_local + r) * kStride + sub + kRouteWidth * i] : 0.0f;
+    }
+    Route::template run<kTok>(logit, bias, gid, choice_row, p.route, out, t, valid);
+  };
+  if constexpr (Route::kPer <= 20) {
+    if (rows > kSlots) {
+      for (int r0 = 0; r0 < rows; r0 += 2 * kSlots) pass(Int<2>{}, r0);
+    } else {
+      pass(Int<1>{}, 0);
+    }
+  } else {
+    for (int r0 = 0; r0 < rows; r0 += kSlots) pass(Int<1>{}, r0);
   }
 
   if (p.counts) {

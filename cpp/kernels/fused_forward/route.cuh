@@ -68,22 +68,29 @@ struct TokenRoute {
     for (int i = 0; i < kPer; ++i) gid[i] = (sub + kWidth * i) / per_group;
   }
 
-  // Called by all 32 lanes (shuffles); `valid` false: compute, write nothing.
-  // `choice_row`: E floats of shared scratch private to this token's lanes.
-  __device__ __forceinline__ static void run(const float (&logit)[kPer], const float (&bias)[kPer],
-                                             const int (&gid)[kPer], float* choice_row,
-                                             const RouteParams& p, const RouteOut& out, int64_t t,
-                                             bool valid) {
+  // Routes kTok tokens per group of kWidth lanes at once: their dependent chains (shuffle
+  // reductions, compare-select scans) interleave, which the few warps of the epilogue need to
+  // keep the schedulers busy. Called by all 32 lanes (shuffles); `valid[u]` false: compute,
+  // write nothing. `choice_row[u]`: E floats of shared scratch private to token u's lanes.
+  template <int kTok>
+  __device__ __forceinline__ static void run(const float (&logit)[kTok][kPer],
+                                             const float (&bias)[kPer], const int (&gid)[kPer],
+                                             float* const (&choice_row)[kTok],
+                                             const RouteParams& p, const RouteOut& out,
+                                             const int64_t (&t)[kTok], const bool (&valid)[kTok]) {
     const int sub = threadIdx.x % kWidth;
-    float score[kPer];
-    uint64_t key[kPer];
+    float score[kTok][kPer];
+    uint64_t key[kTok][kPer];
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = sub + kWidth * i;
-      score[i] = sigmoid(logit[i]);
-      const float c = score[i] + bias[i];
-      key[i] = rank_key(c, e);
-      if (p.n_group > 1) choice_row[e] = c;
+    for (int u = 0; u < kTok; ++u) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int e = sub + kWidth * i;
+        score[u][i] = sigmoid(logit[u][i]);
+        const float c = score[u][i] + bias[i];
+        key[u][i] = rank_key(c, e);
+        if (p.n_group > 1) choice_row[u][e] = c;
+      }
     }
     MOE_ROUTING_TRACE(threadIdx.x == 128, 10);
 
@@ -92,83 +99,117 @@ struct TokenRoute {
       const int per_group = kExperts / p.n_group;
       // Group score: sum of the group's two best choices (ranked as in top-k). Lane `sub`
       // scores groups sub, sub + kWidth, ...
-      uint64_t gkey[kGroupSlots];
+      uint64_t gkey[kTok][kGroupSlots];
 #pragma unroll
       for (int j = 0; j < kGroupSlots; ++j) {
         const int g = sub + kWidth * j;
-        gkey[j] = 0;
+#pragma unroll
+        for (int u = 0; u < kTok; ++u) gkey[u][j] = 0;
         if (g < p.n_group) {
-          // Two interleaved scans (even and odd members), merged: half the dependent chain.
-          uint64_t a1 = 0, a2 = 0, b1 = 0, b2 = 0;
+          // Two interleaved scans per token (even and odd members), merged.
+          uint64_t a1[kTok], a2[kTok], b1[kTok], b2[kTok];
+#pragma unroll
+          for (int u = 0; u < kTok; ++u) a1[u] = a2[u] = b1[u] = b2[u] = 0;
           const int e0 = g * per_group;
           int i = 0;
           for (; i + 1 < per_group; i += 2) {
-            top2_insert(a1, a2, rank_key(choice_row[e0 + i], e0 + i));
-            top2_insert(b1, b2, rank_key(choice_row[e0 + i + 1], e0 + i + 1));
+#pragma unroll
+            for (int u = 0; u < kTok; ++u) {
+              top2_insert(a1[u], a2[u], rank_key(choice_row[u][e0 + i], e0 + i));
+              top2_insert(b1[u], b2[u], rank_key(choice_row[u][e0 + i + 1], e0 + i + 1));
+            }
           }
-          if (i < per_group) top2_insert(a1, a2, rank_key(choice_row[e0 + i], e0 + i));
-          top2_insert(a1, a2, b1);
-          top2_insert(a1, a2, b2);
-          gkey[j] = rank_key(choice_row[key_index(a1)] + choice_row[key_index(a2)], g);
+#pragma unroll
+          for (int u = 0; u < kTok; ++u) {
+            if (i < per_group) top2_insert(a1[u], a2[u], rank_key(choice_row[u][e0 + i], e0 + i));
+            top2_insert(a1[u], a2[u], b1[u]);
+            top2_insert(a1[u], a2[u], b2[u]);
+            gkey[u][j] = rank_key(choice_row[u][key_index(a1[u])] + choice_row[u][key_index(a2[u])], g);
+          }
         }
       }
-      uint32_t kept = 0;
+      uint32_t kept[kTok];
+#pragma unroll
+      for (int u = 0; u < kTok; ++u) kept[u] = 0;
       for (int r = 0; r < p.topk_group; ++r) {
-        uint64_t best = 0;
+        uint64_t best[kTok];
 #pragma unroll
-        for (int j = 0; j < kGroupSlots; ++j) best = gkey[j] > best ? gkey[j] : best;
-        best = group_max_u64<kWidth>(best);
-        kept |= 1u << key_index(best);
+        for (int u = 0; u < kTok; ++u) {
+          best[u] = 0;
 #pragma unroll
-        for (int j = 0; j < kGroupSlots; ++j) gkey[j] = gkey[j] == best ? 0 : gkey[j];
+          for (int j = 0; j < kGroupSlots; ++j) best[u] = gkey[u][j] > best[u] ? gkey[u][j] : best[u];
+        }
+#pragma unroll
+        for (int u = 0; u < kTok; ++u) best[u] = group_max_u64<kWidth>(best[u]);
+#pragma unroll
+        for (int u = 0; u < kTok; ++u) {
+          kept[u] |= 1u << key_index(best[u]);
+#pragma unroll
+          for (int j = 0; j < kGroupSlots; ++j) gkey[u][j] = gkey[u][j] == best[u] ? 0 : gkey[u][j];
+        }
       }
 #pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (!((kept >> gid[i]) & 1u)) key[i] = 0;
-      __syncwarp();  // choice_row reads done before the next token overwrites it
+      for (int u = 0; u < kTok; ++u)
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+          if (!((kept[u] >> gid[i]) & 1u)) key[u][i] = 0;
+      __syncwarp();  // choice_row reads done before the next tokens overwrite it
     }
-
     MOE_ROUTING_TRACE(threadIdx.x == 128, 11);
-    int sel_idx[kSelSlots];
-    float sel_score[kSelSlots];
+
+    int sel_idx[kTok][kSelSlots];
+    float sel_score[kTok][kSelSlots];
+    float sum[kTok];
+    uint64_t local[kTok];  // the lane's best remaining candidate
 #pragma unroll
-    for (int j = 0; j < kSelSlots; ++j) sel_idx[j] = 0, sel_score[j] = 0.0f;
-    float sum = 0.0f;
-    uint64_t local = max_key<kPer>(key);  // the lane's best remaining candidate
+    for (int u = 0; u < kTok; ++u) {
+#pragma unroll
+      for (int j = 0; j < kSelSlots; ++j) sel_idx[u][j] = 0, sel_score[u][j] = 0.0f;
+      sum[u] = 0.0f;
+      local[u] = max_key<kPer>(key[u]);
+    }
     for (int k = 0; k < p.top_k; ++k) {
-      const uint64_t best = group_max_u64<kWidth>(local);
-      const int e = key_index(best);
-      float mine = 0.0f;
+      uint64_t best[kTok];
 #pragma unroll
-      for (int i = 0; i < kPer; ++i)  // take the winner out (keys are unique: only its owner)
-        if (key[i] == best) mine = score[i], key[i] = 0;
-      local = max_key<kPer>(key);
-      const float s = __shfl_sync(0xFFFFFFFFu, mine, e % kWidth, kWidth);
-      sum += s;  // selection order: the same bits every run
+      for (int u = 0; u < kTok; ++u) best[u] = group_max_u64<kWidth>(local[u]);
 #pragma unroll
-      for (int j = 0; j < kSelSlots; ++j)
-        if (k == sub + kWidth * j) sel_idx[j] = e, sel_score[j] = s;
+      for (int u = 0; u < kTok; ++u) {
+        const int e = key_index(best[u]);
+        float mine = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)  // take the winner out (keys are unique: only its owner)
+          if (key[u][i] == best[u]) mine = score[u][i], key[u][i] = 0;
+        local[u] = max_key<kPer>(key[u]);
+        const float s = __shfl_sync(0xFFFFFFFFu, mine, e % kWidth, kWidth);
+        sum[u] += s;  // selection order: the same bits every run
+#pragma unroll
+        for (int j = 0; j < kSelSlots; ++j)
+          if (k == sub + kWidth * j) sel_idx[u][j] = e, sel_score[u][j] = s;
+      }
     }
     MOE_ROUTING_TRACE(threadIdx.x == 128, 12);
-    if (!valid) return;
 #pragma unroll
-    for (int j = 0; j < kSelSlots; ++j) {
-      const int k = sub + kWidth * j;
-      if (k < p.top_k) {
-        const float s = sel_score[j];
-        float wgt = s;
-        if (p.norm) wgt = s / (sum + 1e-20f);
-        wgt *= p.scale;
-        const int64_t o = t * p.top_k + k;
-        out.topk_idx[o] = sel_idx[j];
-        out.topk_weights[o] = wgt;
-        out.topk_scores[o] = s;
-        if (out.counts) atomicAdd(out.counts + sel_idx[j], 1);
+    for (int u = 0; u < kTok; ++u) {
+      if (!valid[u]) continue;
+#pragma unroll
+      for (int j = 0; j < kSelSlots; ++j) {
+        const int k = sub + kWidth * j;
+        if (k < p.top_k) {
+          const float s = sel_score[u][j];
+          float wgt = s;
+          if (p.norm) wgt = s / (sum[u] + 1e-20f);
+          wgt *= p.scale;
+          const int64_t o = t[u] * p.top_k + k;
+          out.topk_idx[o] = sel_idx[u][j];
+          out.topk_weights[o] = wgt;
+          out.topk_scores[o] = s;
+          if (out.counts) atomicAdd(out.counts + sel_idx[u][j], 1);
+        }
       }
-    }
-    if (out.scores) {
+      if (out.scores) {
 #pragma unroll
-      for (int i = 0; i < kPer; ++i) out.scores[t * kExperts + sub + kWidth * i] = score[i];
+        for (int i = 0; i < kPer; ++i) out.scores[t[u] * kExperts + sub + kWidth * i] = score[u][i];
+      }
     }
   }
 };
