@@ -35,36 +35,15 @@ struct Kernel {
   using P = decltype(make_params<kExperts, kTopK>(nullptr, nullptr, 128, 1));
   static constexpr auto kernel = kernels::fused_backward::fused_backward_sm90<Cfg, P>;
 
-  // The shared-memory opt-in is per device and sticks: set it once per device.
   static Status prepare(int device) {
-    static std::atomic<uint64_t> smem_set{0};
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (smem_set.load(std::memory_order_acquire) & bit) return Status::kSuccess;
-    RelaxedCaptureScope relaxed;
-    if (Status s = cuda_status(cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-        s != Status::kSuccess)
-      return s;
-    smem_set.fetch_or(bit, std::memory_order_release);
-    return Status::kSuccess;
+    static std::atomic<uint64_t> prepared{0};
+    return prepare_kernel(kernel, device, Cfg::kSmemBytes, false, prepared);
   }
 
-  // Launch configuration: `attrs` has room for two attributes (cluster, dependent launch).
+  // Launch configuration: attrs[0] receives the cluster attribute.
   static cudaLaunchConfig_t config(unsigned grid, int cluster, cudaStream_t stream,
                                    cudaLaunchAttribute* attrs) {
-    cudaLaunchConfig_t c{};
-    c.gridDim = dim3(grid);
-    c.blockDim = dim3(Cfg::kThreads);
-    c.dynamicSmemBytes = Cfg::kSmemBytes;
-    c.stream = stream;
-    attrs[0] = {};
-    attrs[0].id = cudaLaunchAttributeClusterDimension;
-    attrs[0].val.clusterDim.x = unsigned(cluster);
-    attrs[0].val.clusterDim.y = 1;
-    attrs[0].val.clusterDim.z = 1;
-    c.attrs = attrs;
-    c.numAttrs = 1;
-    return c;
+    return cluster_launch_config(grid, Cfg::kThreads, Cfg::kSmemBytes, cluster, stream, attrs);
   }
 };
 
@@ -72,17 +51,7 @@ struct Kernel {
 
 template <int kExperts, int kTopK>
 int fused_backward_active_clusters(int cluster, int device) {
-  using K = fused_backward_impl::Kernel<kExperts, kTopK>;
-  RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
-  if (K::prepare(device) != Status::kSuccess) return 0;
-  cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t c = K::config(unsigned(cluster), cluster, nullptr, attrs);
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, K::kernel, &c) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
+  return max_active_clusters<fused_backward_impl::Kernel<kExperts, kTopK>>(cluster, device);
 }
 
 template <int kExperts, int kTopK>

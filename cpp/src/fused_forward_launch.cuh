@@ -38,37 +38,16 @@ struct Kernel {
 
   static constexpr auto kernel = kernels::fused_forward::fused_forward_sm90<Cfg, P>;
 
-  // The shared-memory opt-in is per device and sticks: set it once per device.
+  // Clusters of 16 are non-portable: allowed where the device has them.
   static Status prepare(int device) {
-    static std::atomic<uint64_t> smem_set{0};
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (smem_set.load(std::memory_order_acquire) & bit) return Status::kSuccess;
-    RelaxedCaptureScope relaxed;
-    if (Status s = cuda_status(cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
-        s != Status::kSuccess)
-      return s;
-    // Clusters of 16: allowed where the device has them (the occupancy query says).
-    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    (void)cudaGetLastError();
-    smem_set.fetch_or(bit, std::memory_order_release);
-    return Status::kSuccess;
+    static std::atomic<uint64_t> prepared{0};
+    return prepare_kernel(kernel, device, Cfg::kSmemBytes, true, prepared);
   }
 
+  // Launch configuration: attrs[0] receives the cluster attribute.
   static cudaLaunchConfig_t config(unsigned grid, int split, cudaStream_t stream,
-                                   cudaLaunchAttribute* attr) {
-    cudaLaunchConfig_t c{};
-    c.gridDim = dim3(grid);
-    c.blockDim = dim3(Cfg::kThreads);
-    c.dynamicSmemBytes = Cfg::kSmemBytes;
-    c.stream = stream;
-    attr->id = cudaLaunchAttributeClusterDimension;
-    attr->val.clusterDim.x = unsigned(split);
-    attr->val.clusterDim.y = 1;
-    attr->val.clusterDim.z = 1;
-    c.attrs = attr;
-    c.numAttrs = 1;
-    return c;
+                                   cudaLaunchAttribute* attrs) {
+    return cluster_launch_config(grid, Cfg::kThreads, Cfg::kSmemBytes, split, stream, attrs);
   }
 };
 
@@ -76,17 +55,7 @@ struct Kernel {
 
 template <int kExperts>
 int fused_forward_active_clusters(int split, int device) {
-  using K = fused_forward_impl::Kernel<kExperts>;
-  RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
-  if (K::prepare(device) != Status::kSuccess) return 0;
-  cudaLaunchAttribute attr{};
-  const cudaLaunchConfig_t c = K::config(unsigned(split), split, nullptr, &attr);
-  int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, K::kernel, &c) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  return n;
+  return max_active_clusters<fused_forward_impl::Kernel<kExperts>>(split, device);
 }
 
 template <int kExperts>

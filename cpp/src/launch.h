@@ -1,6 +1,9 @@
 // Helpers shared by the host launchers.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+
 #include "moe_routing/router.h"
 
 namespace moe_routing::detail {
@@ -44,6 +47,63 @@ inline cudaLaunchAttribute dependent_launch_attribute() {
   a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   a.val.programmaticStreamSerializationAllowed = 1;
   return a;
+}
+
+// Opts `kernel` into `smem_bytes` of dynamic shared memory on `device` (and, with
+// `large_clusters`, into clusters above 8 CTAs where the device has them). The setting is per
+// device and sticks: `prepared` (one per kernel) records the devices done.
+template <class KernelPtr>
+Status prepare_kernel(KernelPtr kernel, int device, int smem_bytes, bool large_clusters,
+                      std::atomic<uint64_t>& prepared) {
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (prepared.load(std::memory_order_acquire) & bit) return Status::kSuccess;
+  RelaxedCaptureScope relaxed;
+  if (Status s = cuda_status(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+      s != Status::kSuccess)
+    return s;
+  if (large_clusters) {  // allowed where the device has them (the occupancy query says)
+    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    (void)cudaGetLastError();
+  }
+  prepared.fetch_or(bit, std::memory_order_release);
+  return Status::kSuccess;
+}
+
+// Launch configuration of a 1-D grid in clusters of `cluster` CTAs: the cluster attribute goes
+// into attrs[0], which the caller keeps alive until the launch.
+inline cudaLaunchConfig_t cluster_launch_config(unsigned grid, int threads, int smem_bytes,
+                                                int cluster, cudaStream_t stream,
+                                                cudaLaunchAttribute* attrs) {
+  cudaLaunchConfig_t c{};
+  c.gridDim = dim3(grid);
+  c.blockDim = dim3(unsigned(threads));
+  c.dynamicSmemBytes = size_t(smem_bytes);
+  c.stream = stream;
+  attrs[0] = {};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = unsigned(cluster);
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  c.attrs = attrs;
+  c.numAttrs = 1;
+  return c;
+}
+
+// Clusters of `cluster` CTAs of kernel K (K::prepare, K::config and K::kernel, as in the fused
+// launchers) that fit on `device` at once; 0 where none do or on error.
+template <class K>
+int max_active_clusters(int cluster, int device) {
+  RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
+  if (K::prepare(device) != Status::kSuccess) return 0;
+  cudaLaunchAttribute attrs[1];
+  const cudaLaunchConfig_t c = K::config(unsigned(cluster), cluster, nullptr, attrs);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, K::kernel, &c) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
 }
 
 }  // namespace moe_routing::detail
