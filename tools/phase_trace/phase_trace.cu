@@ -1,0 +1,138 @@
+// Phase timeline of the fused kernels: builds them with the trace hooks of kernels/trace.cuh
+// (a %globaltimer stamp per CTA and phase id), times back-to-back calls on rotated random
+// inputs (CUDA events, median of 7 rounds) and prints, per phase id, the earliest, median and
+// latest CTA: for the last call of a back-to-back round, and for one call alone.
+//
+//   phase_trace bwd T CTAS CLUSTER     the backward, CTAS CTAs (a multiple of H/128 for
+//                                      CLUSTER > 1), clusters of CLUSTER (1: global sum)
+//   phase_trace fwd T SPLIT            the forward, clusters of SPLIT CTAs per 128-token tile
+//
+// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. Phase ids are the MOE_ROUTING_TRACE
+// calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run on a Hopper GPU.
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+#include <algorithm>
+#include <cstdint>
+#include <cuda_runtime.h>
+constexpr int kMaxCtas = 1200;
+__device__ unsigned long long g_trace[kMaxCtas * 64];
+#define MOE_ROUTING_TRACE(cond, id)                                                   \
+  do {                                                                                \
+    if (cond) {                                                                       \
+      unsigned long long t_;                                                          \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                         \
+      g_trace[blockIdx.x * 64 + (id)] = t_;                                           \
+    }                                                                                 \
+  } while (0)
+#include "fused_backward_launch.cuh"
+#include "fused_forward_launch.cuh"
+using namespace moe_routing;
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
+
+__device__ uint32_t hash32(uint64_t x) { x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33; return uint32_t(x); }
+__global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float f = (hash32(i * 0x9E3779B97F4A7C15ULL + seed) & 0xffff) / 32768.0f - 1.0f;
+    uint32_t b = __float_as_uint(f); p[i] = uint16_t((b + 0x7fff + ((b >> 16) & 1)) >> 16);
+  }
+}
+__global__ void fill_f32(float* p, int64_t n, uint64_t seed, float lo, float hi) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    p[i] = lo + (hi - lo) * ((hash32(i * 0x9E3779B97F4A7C15ULL + seed) & 0xffffff) / 16777216.0f);
+}
+__global__ void fill_idx(int32_t* p, int64_t T, int K, int E, uint64_t seed) {
+  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
+    int b = hash32(t + seed) % E; for (int k = 0; k < K; ++k) p[t * K + k] = (b + k * (E / K)) % E;
+  }
+}
+template <class T> T* dalloc(size_t n) { T* p; CK(cudaMalloc(&p, n * sizeof(T))); return p; }
+
+static void dump_trace(int nctas, const char* label) {
+  std::vector<unsigned long long> tr(nctas * 64);
+  CK(cudaMemcpyFromSymbol(tr.data(), g_trace, tr.size() * 8));
+  unsigned long long t0 = ~0ull;
+  for (int c = 0; c < nctas; ++c) if (tr[c * 64]) t0 = std::min(t0, tr[c * 64]);
+  printf("trace %s (us from first CTA entry): id: min med max [n]\n", label);
+  for (int id = 0; id < 64; ++id) {
+    std::vector<double> v;
+    for (int c = 0; c < nctas; ++c) if (tr[c * 64 + id]) v.push_back((tr[c * 64 + id] - t0) * 1e-3);
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    printf("  %2d: %8.2f %8.2f %8.2f [%zu]\n", id, v.front(), v[v.size() / 2], v.back(), v.size());
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3) { printf("phase_trace bwd T [CTAS CLUSTER] | fwd T [SPLIT]\n"); return 2; }
+  const bool bwd = argv[1][0] == 'b';
+  const int64_t T = atoll(argv[2]);
+  const int64_t H = 5120; const int E = 160, K = 8;
+  RouterConfig cfg{}; cfg.hidden_size = H; cfg.n_routed_experts = E; cfg.num_experts_per_tok = K;
+  cfg.n_group = 8; cfg.topk_group = 4; cfg.routed_scaling_factor = 2.5f; cfg.norm_topk_prob = true;
+  const size_t set_bytes = bwd ? size_t(4 * T * H + 6 * E * H + 12 * T * K) : size_t(2 * T * H + 12 * T * K);
+  const int sets = int(std::min<size_t>(12, std::max<size_t>(2, (100u << 20) / set_bytes + 1)));
+  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  uint16_t* w = dalloc<uint16_t>(E * H); fill_bf16<<<264, 256>>>(w, E * H, 7);
+  float* bias = dalloc<float>(E); fill_f32<<<1, 256>>>(bias, E, 9, -0.1f, 0.1f);
+  std::vector<uint16_t*> x(sets), gx(sets); std::vector<int32_t*> idx(sets); std::vector<float*> sc(sets), gt(sets), gw(sets), ow(sets);
+  std::vector<uint8_t*> ws(sets);
+  for (int s = 0; s < sets; ++s) {
+    x[s] = dalloc<uint16_t>(T * H); fill_bf16<<<1024, 256>>>(x[s], T * H, 100 + s);
+    idx[s] = dalloc<int32_t>(T * K); fill_idx<<<256, 256>>>(idx[s], T, K, E, 200 + s);
+    sc[s] = dalloc<float>(T * K); fill_f32<<<256, 256>>>(sc[s], T * K, 300 + s, 0.05f, 1.f);
+    gt[s] = dalloc<float>(T * K); fill_f32<<<256, 256>>>(gt[s], T * K, 400 + s, -1.f, 1.f);
+    if (bwd) { gx[s] = dalloc<uint16_t>(T * H); gw[s] = dalloc<float>(E * H); ws[s] = dalloc<uint8_t>(64 << 20); CK(cudaMemset(ws[s], 0, 64 << 20)); }
+    else { ow[s] = dalloc<float>(T * K); }
+  }
+  CK(cudaDeviceSynchronize());
+  int grid = 0;
+  auto call = [&](int s) -> int {
+    if (bwd) {
+      BackwardArgs a{}; a.tokens = T;
+      a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.topk_idx = {idx[s], int64_t(T * K)};
+      a.topk_scores = {sc[s], int64_t(T * K)}; a.grad_topk_weights = {gt[s], int64_t(T * K)};
+      a.grad_x = {gx[s], int64_t(T * H)}; a.grad_w = {gw[s], int64_t(E * H)}; a.workspace = {ws[s], int64_t(64 << 20)};
+      const int ctas = argc > 3 ? atoi(argv[3]) : int(H / 128);
+      const int cluster = argc > 4 ? atoi(argv[4]) : 1;
+      grid = ctas;
+      if (grid > kMaxCtas) return -1;
+      return int(detail::launch_fused_backward_e<160, 8>(cfg, a, 0, ctas, cluster, st));
+    } else {
+      ForwardArgs a{}; a.tokens = T;
+      a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};
+      a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
+      const int split = argc > 3 ? atoi(argv[3]) : 1;
+      grid = int((T + 127) / 128 * split);
+      if (grid > kMaxCtas) return -1;
+      return int(detail::launch_fused_forward_e<160>(cfg, a, 0, split, st));
+    }
+  };
+  for (int s = 0; s < sets; ++s) {
+    if (int r = call(s)) {
+      if (r < 0) printf("at most %d CTAs are traced\n", kMaxCtas);
+      else printf("launch status %d\n", r);
+      return 1;
+    }
+  }
+  CK(cudaStreamSynchronize(st));
+  const int n = sets * std::max(1, int(60 / sets));
+  cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
+  std::vector<float> times;
+  for (int r = 0; r < 7; ++r) {
+    CK(cudaEventRecord(a, st));
+    for (int i = 0; i < n; ++i) call(i % sets);
+    CK(cudaEventRecord(b, st)); CK(cudaEventSynchronize(b));
+    float ms; CK(cudaEventElapsedTime(&ms, a, b)); times.push_back(ms * 1000 / n);
+  }
+  std::sort(times.begin(), times.end());
+  printf("%s T=%lld grid=%d sets=%d: median %.2f us (min %.2f max %.2f)\n", bwd ? "bwd" : "fwd", (long long)T, grid, sets, times[3], times[0], times[6]);
+  dump_trace(grid, "back-to-back");
+  // One isolated call: the previous kernel is done before it starts.
+  void* tp; CK(cudaGetSymbolAddress(&tp, g_trace)); CK(cudaMemset(tp, 0, sizeof(unsigned long long) * kMaxCtas * 64));
+  CK(cudaDeviceSynchronize());
+  call(0); CK(cudaStreamSynchronize(st));
+  dump_trace(grid, "isolated");
+  CK(cudaGetLastError());
+  return 0;
+}
