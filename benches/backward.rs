@@ -379,10 +379,8 @@ impl Summary {
             .zip(results)
             .map(|(c, r)| figures(c, r))
             .collect();
-        let fused: Vec<Timing> = results.iter().map(|r| r.fused).collect();
-        let unfused: Vec<Option<Timing>> = results.iter().map(|r| r.unfused).collect();
         Self {
-            means: Means::of(&figures, &fused, &unfused),
+            means: Means::of(&figures),
             precise_ratio: mean(results.iter().map(|r| r.precise.us / r.fused.us)),
         }
     }

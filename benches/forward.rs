@@ -321,9 +321,7 @@ fn summary(cases: &[Case], results: &[CaseResult]) -> Means {
         .zip(results)
         .map(|(c, r)| figures(c, r))
         .collect();
-    let fused: Vec<Timing> = results.iter().map(|r| r.fused).collect();
-    let unfused: Vec<Option<Timing>> = results.iter().map(|r| r.unfused).collect();
-    Means::of(&figures, &fused, &unfused)
+    Means::of(&figures)
 }
 
 fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Means) -> String {

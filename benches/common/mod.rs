@@ -299,6 +299,8 @@ pub fn method() -> String {
 
 /// Derived figures of one case, from its speed of light and bytes per call.
 pub struct Figures {
+    pub fused_us: f64,
+    pub unfused_us: Option<f64>,
     pub sol_us: f64,
     pub fused_tbps: f64,
     pub sol_pct: f64,
@@ -309,6 +311,8 @@ impl Figures {
     pub fn new(sol_s: f64, bytes: f64, fused: Timing, unfused: Option<Timing>) -> Self {
         let sol_us = sol_s * 1e6;
         Self {
+            fused_us: fused.us,
+            unfused_us: unfused.map(|u| u.us),
             sol_us,
             fused_tbps: bytes / (fused.us * 1e-6) / 1e12,
             sol_pct: sol_us / fused.us * 100.0,
@@ -326,16 +330,15 @@ pub struct Means {
 }
 
 impl Means {
-    pub fn of(figures: &[Figures], fused: &[Timing], unfused: &[Option<Timing>]) -> Self {
+    pub fn of(figures: &[Figures]) -> Self {
         // Baseline means only when every case has the baseline, or they would average a
         // different subset of cases than the fused means.
-        let all_unfused = unfused.iter().all(Option::is_some);
+        let all_unfused = figures.iter().all(|f| f.unfused_us.is_some());
         Self {
             sol_pct: mean(figures.iter().map(|f| f.sol_pct)),
             speedup: mean(figures.iter().filter_map(|f| f.speedup)).filter(|_| all_unfused),
-            fused_us: mean(fused.iter().map(|t| t.us)),
-            unfused_us: mean(unfused.iter().filter_map(|u| u.map(|u| u.us)))
-                .filter(|_| all_unfused),
+            fused_us: mean(figures.iter().map(|f| f.fused_us)),
+            unfused_us: mean(figures.iter().filter_map(|f| f.unfused_us)).filter(|_| all_unfused),
         }
     }
 
