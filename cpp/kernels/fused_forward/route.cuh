@@ -1,5 +1,5 @@
-// The fused forward's routing epilogue: one token per group of kWidth lanes, its E logits in
-// registers (lane j of the group holds experts e = j + kWidth·i). Same selection as the simple
+// The fused forward's routing epilogue: one or two tokens per group of kWidth lanes, their E
+// logits in registers (lane j of the group holds experts e = j + kWidth·i). Same selection as the simple
 // kernel (rank_key: larger first, lower index on ties, NaN below everything), same weights.
 #pragma once
 
