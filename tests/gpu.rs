@@ -34,6 +34,7 @@ fn main() {
         ("round_trip", round_trip),
         ("backward_small_shapes", backward_small_shapes),
         ("backward_is_deterministic", backward_is_deterministic),
+        ("backward_grad_w_sums", backward_grad_w_sums),
         ("zero_tokens", zero_tokens),
         (
             "invalid_arguments_touch_nothing",
@@ -468,15 +469,59 @@ fn backward_small_shapes(s: &Arc<CudaStream>) {
     }
 }
 
+// The fused backward sums grad_w over the CTAs of a hidden slice in one of three ways, picked
+// by shape and device (fused_backward.cu). On an H200: H = 1024, T = 1024 sums in clusters of
+// 8, and H = 7168, T = 1024 in clusters of 2; H = 1024, T = 2048 spreads the sum over 16 CTAs
+// through global memory, and H = 5120, T = 1536 over 3; H = 20480 (more slices than SMs) has
+// the last CTA of a slice sum it; H = 5120, T = 512 needs no sum. Each is checked against the
+// reference and for bitwise-equal repeats.
+fn backward_grad_w_sums(s: &Arc<CudaStream>) {
+    for (i, (hidden_size, tokens)) in [
+        (1024, 1024),
+        (1024, 2048),
+        (7168, 1024),
+        (20480, 256),
+        (5120, 512),
+        (5120, 1536),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cfg = RouterConfig {
+            hidden_size,
+            ..RouterConfig::glm45(8, 4)
+        };
+        let seed = fresh_seed() ^ (i as u64) << 12;
+        check_case(
+            s,
+            &cfg,
+            tokens,
+            seed,
+            &format!("H={hidden_size} T={tokens}"),
+        );
+        assert_deterministic(s, &cfg, tokens, &[Precision::Default]);
+    }
+}
+
 fn backward_is_deterministic(s: &Arc<CudaStream>) {
     let cfg = RouterConfig::glm45(8, 4);
-    let tokens = 3001;
+    assert_deterministic(s, &cfg, 3001, &[Precision::Default, Precision::Precise]);
+}
+
+// Two backward calls on the same inputs give the same bits.
+fn assert_deterministic(
+    s: &Arc<CudaStream>,
+    cfg: &RouterConfig,
+    tokens: usize,
+    modes: &[Precision],
+) {
+    let cfg = *cfg;
     let mut rng = Rng::new(fresh_seed());
     let router = Router::new(cfg).unwrap();
     let inp = Inputs::random(&cfg, tokens, &mut rng);
     let fwd = gpu_forward(s, &router, tokens, &inp);
-    let grad_out = random_grad(tokens * 8, &mut rng);
-    for precision in [Precision::Default, Precision::Precise] {
+    let grad_out = random_grad(tokens * cfg.num_experts_per_tok, &mut rng);
+    for &precision in modes {
         let opts = BackwardOptions {
             accumulate_grad_w: false,
             precision,
@@ -505,11 +550,11 @@ fn backward_is_deterministic(s: &Arc<CudaStream>) {
         );
         assert!(
             bits(&a.grad_x) == bits(&b.grad_x),
-            "grad_x differs between runs ({precision:?})"
+            "grad_x differs between runs ({cfg:?} T={tokens} {precision:?})"
         );
         assert!(
             bits(&a.grad_w) == bits(&b.grad_w),
-            "grad_w differs between runs ({precision:?})"
+            "grad_w differs between runs ({cfg:?} T={tokens} {precision:?})"
         );
     }
 }

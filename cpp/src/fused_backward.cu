@@ -38,32 +38,33 @@ int active_clusters(int device, int k) {
   return n;
 }
 
-struct Plan {
-  int ctas;
-  int cluster;  // 1: grad_w partials reduced through global memory
-};
-
 // The persistent grid: k CTAs per slice, so that the split points within a slice are the same
 // for every slice. CTAs running side by side then read the same token tiles (x rows 10 KB
-// long, each CTA 256 bytes of every row) rather than tiles at unrelated offsets. Where the
-// k CTAs of every slice fit on the device at once as clusters (k <= 8), they sum grad_w in
-// shared memory; otherwise through partials in global memory and a ticket.
+// long, each CTA 256 bytes of every row) rather than tiles at unrelated offsets. The k CTAs of
+// a slice sum its grad_w in the cheapest way the device allows (GradWSum): spread over the k
+// CTAs, through shared memory where they fit as clusters (k <= 8), else through global
+// memory. The spread sum has CTAs wait for each other: the grid is at most one CTA per SM
+// (the kernel's shared memory allows no more), so all are resident once the SMs are free.
 // Costs in units of one unit's time (about 2 µs), measured on an H200 at T = 512: the cluster
-// sum about 2.5 units whatever k; the global one about 1.7 (partial stores and ticket) plus
-// 1.1 per partial read by the slice's last CTA. Where the slices outnumber the SMs, one range
-// per SM (global reduction).
-Plan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
-  constexpr double kClusterSum = 2.5, kWritePartial = 1.7, kReadPartial = 1.1;
+// sum about 2.5 units whatever k; the last-CTA sum about 1.7 (partial stores and ticket) plus
+// 1.1 per partial; the spread sum through global memory about 2.8. Where the slices outnumber
+// the SMs, one range per SM (last-CTA sum).
+BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
+  constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
-  if (most < 1) return {int(std::min(tiles * slices, grid)), 1};
-  Plan best{int(slices), 1};
+  if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
+  BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
   double best_cost = double(tiles);
+  const bool spread = slices <= kMaxCounterSlices;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {
-    const bool cluster = k <= 8 && active_clusters(device, int(k)) >= slices;
-    const double sum = cluster ? kClusterSum : kWritePartial + kReadPartial * double(k);
-    const double cost = double(ceil_div(tiles, k)) + sum;
-    if (cost < best_cost) best = {int(k * slices), cluster ? int(k) : 1}, best_cost = cost;
+    GradWSum sum = GradWSum::kLastCta;
+    double cost = kWritePartial + kReadPartial * double(k);
+    if (spread && kSpreadSum < cost) sum = GradWSum::kSpread, cost = kSpreadSum;
+    if (k <= 8 && kClusterSum < cost && active_clusters(device, int(k)) >= slices)
+      sum = GradWSum::kCluster, cost = kClusterSum;
+    cost += double(ceil_div(tiles, k));
+    if (cost < best_cost) best = {int(k * slices), int(k), sum}, best_cost = cost;
   }
   return best;
 }
@@ -87,9 +88,9 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
-  const Plan pl = plan(tiles, slices, sm_count(device), device);
+  const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
   switch (cfg.n_routed_experts) {
-    case 160: return launch_fused_backward_e<160, 8>(cfg, a, device, pl.ctas, pl.cluster, stream);
+    case 160: return launch_fused_backward_e<160, 8>(cfg, a, device, pl, stream);
     default: return Status::kUnsupported;
   }
 }

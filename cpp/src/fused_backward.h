@@ -1,13 +1,16 @@
 // The fused backward's host side: which shapes it takes, its workspace, its launch.
 #pragma once
 
+#include "kernels/fused_backward/schedule.cuh"
 #include "moe_routing/router.h"
 
 namespace moe_routing::detail {
 
-// The workspace starts with the fused kernel's grad_w tickets (zero between launches), so that
-// every path leaves them intact; the rest is per-path scratch.
+// The workspace starts with the fused kernel's grad_w counters (zero between launches), so
+// that every path leaves them intact: tickets [kMaxCounterSlices], then readers
+// [kMaxCounterSlices]. The rest is per-path scratch.
 constexpr size_t kTicketBytes = 2048;
+constexpr int kMaxCounterSlices = int(kTicketBytes / 2 / sizeof(int));
 // Upper bound on the persistent grid (one CTA per SM), for workspace sizing.
 constexpr int kFusedMaxCtas = 160;
 
@@ -20,12 +23,20 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
 
-// One instantiation per (expert count, top-k), each in its own translation unit. `cluster`:
-// 1, or the CTAs per slice when the grid runs in clusters of them (ctas = cluster · slices,
-// cluster <= 8).
+using kernels::fused_backward::GradWSum;
+
+// The persistent grid and how it sums grad_w (schedule.cuh). kSpread and kCluster:
+// ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8).
+struct BackwardPlan {
+  int ctas = 1;
+  int per_slice = 1;
+  GradWSum sum = GradWSum::kLastCta;
+};
+
+// One instantiation per (expert count, top-k), each in its own translation unit.
 template <int kExperts, int kTopK>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
-                               int ctas, int cluster, cudaStream_t stream);
+                               const BackwardPlan& plan, cudaStream_t stream);
 
 // Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
 template <int kExperts, int kTopK>

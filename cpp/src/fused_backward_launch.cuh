@@ -56,7 +56,7 @@ int fused_backward_active_clusters(int cluster, int device) {
 
 template <int kExperts, int kTopK>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                               int ctas, int cluster, cudaStream_t stream) {
+                               const BackwardPlan& plan, cudaStream_t stream) {
   using K = fused_backward_impl::Kernel<kExperts, kTopK>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
@@ -71,22 +71,28 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.grad_topk_weights = a.grad_topk_weights.data;
   p.grad_w = a.grad_w.data;
   p.tickets = reinterpret_cast<int*>(a.workspace.data);
+  p.readers = p.tickets + kMaxCounterSlices;
   p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
   p.tokens = T;
   p.hidden = int(H);
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;
-  p.cluster = cluster;
+  p.sum = plan.sum;
+  p.per_slice = plan.per_slice;
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
-  p.sched.ctas = ctas;
-  if (cluster < 1 || cluster > 8 ||
-      (cluster > 1 && int64_t(ctas) != int64_t(cluster) * p.sched.slices))
+  p.sched.ctas = plan.ctas;
+  if (p.sched.slices > kMaxCounterSlices) return Status::kUnsupported;
+  if (plan.sum != GradWSum::kLastCta &&
+      (plan.per_slice < 2 || plan.per_slice > p.sched.tiles ||
+       int64_t(plan.ctas) != int64_t(plan.per_slice) * p.sched.slices ||
+       (plan.sum == GradWSum::kCluster && plan.per_slice > 8)))
     return Status::kUnsupported;
 
+  const int cluster = plan.sum == GradWSum::kCluster ? plan.per_slice : 1;
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t c = K::config(unsigned(ctas), cluster, stream, attrs);
+  cudaLaunchConfig_t c = K::config(unsigned(plan.ctas), cluster, stream, attrs);
   attrs[1] = dependent_launch_attribute();
   c.numAttrs = 2;
   return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));

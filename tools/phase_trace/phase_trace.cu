@@ -3,8 +3,10 @@
 // inputs (CUDA events, median of 7 rounds) and prints, per phase id, the earliest, median and
 // latest CTA: for the last call of a back-to-back round, and for one call alone.
 //
-//   phase_trace bwd T CTAS CLUSTER     the backward, CTAS CTAs (a multiple of H/128 for
-//                                      CLUSTER > 1), clusters of CLUSTER (1: global sum)
+//   phase_trace bwd T CTAS SUM         the backward on CTAS CTAs, grad_w summed by the last
+//                                      CTA (SUM = last), spread over the CTAs of a slice
+//                                      (spread) or in clusters (cluster); the last two need
+//                                      CTAS a multiple of H/128
 //   phase_trace fwd T SPLIT            the forward, clusters of SPLIT CTAs per 128-token tile
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. Phase ids are the MOE_ROUTING_TRACE
@@ -64,7 +66,7 @@ static void dump_trace(int nctas, const char* label) {
 }
 
 int main(int argc, char** argv) {
-  if (argc < 3) { printf("phase_trace bwd T [CTAS CLUSTER] | fwd T [SPLIT]\n"); return 2; }
+  if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT]\n"); return 2; }
   const bool bwd = argv[1][0] == 'b';
   const int64_t T = atoll(argv[2]);
   const int64_t H = 5120; const int E = 160, K = 8;
@@ -93,11 +95,15 @@ int main(int argc, char** argv) {
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.topk_idx = {idx[s], int64_t(T * K)};
       a.topk_scores = {sc[s], int64_t(T * K)}; a.grad_topk_weights = {gt[s], int64_t(T * K)};
       a.grad_x = {gx[s], int64_t(T * H)}; a.grad_w = {gw[s], int64_t(E * H)}; a.workspace = {ws[s], int64_t(64 << 20)};
-      const int ctas = argc > 3 ? atoi(argv[3]) : int(H / 128);
-      const int cluster = argc > 4 ? atoi(argv[4]) : 1;
-      grid = ctas;
+      detail::BackwardPlan pl;
+      pl.ctas = argc > 3 ? atoi(argv[3]) : int(H / 128);
+      const char m = argc > 4 ? argv[4][0] : 'l';
+      pl.sum = m == 's' ? detail::GradWSum::kSpread : m == 'c' ? detail::GradWSum::kCluster
+                                                                : detail::GradWSum::kLastCta;
+      pl.per_slice = pl.sum == detail::GradWSum::kLastCta ? 1 : pl.ctas / int(H / 128);
+      grid = pl.ctas;
       if (grid > kMaxCtas) return -1;
-      return int(detail::launch_fused_backward_e<160, 8>(cfg, a, 0, ctas, cluster, st));
+      return int(detail::launch_fused_backward_e<160, 8>(cfg, a, 0, pl, st));
     } else {
       ForwardArgs a{}; a.tokens = T;
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};

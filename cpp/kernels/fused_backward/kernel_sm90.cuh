@@ -10,10 +10,9 @@
 //              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
-// deterministic. Where the grid runs in clusters (one per slice), each CTA puts its partial in
-// its own shared memory and each sums a share of the slice's rows over the cluster in rank
-// order (distributed shared memory); otherwise each CTA writes a partial to global memory and
-// the last to finish the slice (ticket) sums them.
+// deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
+// partials from global memory; or all k CTAs of the slice each sum a share of them, from
+// global memory (all CTAs resident) or from each other's shared memory (clusters).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -42,17 +41,33 @@ struct Params {
   const float* grad_topk_weights = nullptr;
   float* grad_w = nullptr;    // [E, H]
   float* partials = nullptr;  // [ctas + slices][E][kTileH]
-  int* tickets = nullptr;     // [slices], zero between launches
+  // Per slice, zero between launches: partials written (kLastCta, kSpread); CTAs done
+  // reading them (kSpread).
+  int* tickets = nullptr;  // [slices]
+  int* readers = nullptr;  // [slices]
   int64_t tokens = 0;
   int hidden = 0;
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
-  // > 1: the grid is launched in clusters of this many CTAs, one cluster per slice
-  // (sched.ctas = cluster · sched.slices), and the cluster sums grad_w in shared memory.
-  int cluster = 1;
+  GradWSum sum = GradWSum::kLastCta;  // schedule.cuh
+  // kSpread, kCluster: CTAs per slice, k >= 2 (sched.ctas = k · sched.slices; kCluster: the
+  // cluster size, k <= 8).
+  int per_slice = 1;
   LinearSchedule sched{};
 };
+
+// Adds one to a grad_w counter, release at GPU scope.
+__device__ __forceinline__ void red_release_add(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// Reads a grad_w counter, acquire at GPU scope.
+__device__ __forceinline__ int ld_acquire(const int* counter) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
 
 // Adds one to a grad_w ticket (acquire and release at GPU scope); returns the old count.
 __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
@@ -170,7 +185,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
       if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
     }
-    if (p.cluster > 1) {  // the cluster barriers count every thread of the cluster
+    if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
       cluster_wait();
       cluster_arrive_relaxed();
@@ -279,29 +294,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   const int64_t H = p.hidden;
   constexpr int kSlotFloats = kExperts * kTileH;
+  constexpr int kVecsPerRow = kTileH / 4;             // 16-byte vectors per row of a slice
+  constexpr int kSliceVecs = kExperts * kVecsPerRow;  // ... per slice of grad_w
+  static_assert(kSliceVecs % 256 == 0, "a slice's vectors split evenly over the consumers");
   auto partial = [&](int64_t slice, int c) {
     return p.partials + LinearSchedule::slot(slice, c) * kSlotFloats;  // [E][kTileH]
   };
-  // grad_w of a segment: straight to grad_w when the segment is the whole slice, else a
-  // partial and a ticket. Returns whether this CTA is the slice's last contributor, which
-  // sums the partials once the tensor-core loop is over (only a CTA's first and last segments
-  // can be partial: at most two per CTA).
-  auto flush_grad_w = [&](int64_t slice, bool whole) -> bool {
-    if (whole) {
-      Tensor gW = make_tensor(make_gmem_ptr(p.grad_w + slice * kTileH),
-                              make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
-                                          make_stride(_1{}, H)));  // (h, e)
-      Tensor tWgW = thr_w.partition_C(gW);
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
-      return false;
+  // Vector v of a slice of grad_w: row e = v / kVecsPerRow.
+  auto grad_w_vec = [&](int64_t slice, int v) {
+    return reinterpret_cast<float4*>(p.grad_w + (v / kVecsPerRow) * H + slice * kTileH +
+                                     v % kVecsPerRow * 4);
+  };
+
+  // Vectors [v0, v1) of a slice of grad_w, summed over `sources` partials in source order
+  // (after grad_w itself when accumulating) and written: thread ct takes v0 + ct + 256 j,
+  // j < kPer. `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
+  // before any is added, so a batch costs one round trip.
+  auto sum_vectors = [&](int64_t slice, int v0, int v1, int sources, auto per, auto batch,
+                         auto part) {
+    constexpr int kPer = decltype(per)::value, kBatch = decltype(batch)::value;
+    float4 sum[kPer];
+    CUTE_UNROLL
+    for (int j = 0; j < kPer; ++j) {
+      const int v = v0 + ct + 256 * j;
+      sum[j] = p.accumulate && v < v1 ? __ldcg(grad_w_vec(slice, v))
+                                      : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    for (int r0 = 0; r0 < sources; r0 += kBatch) {
+      float4 in[kBatch][kPer];
+      CUTE_UNROLL
+      for (int b = 0; b < kBatch; ++b) {
+        CUTE_UNROLL
+        for (int j = 0; j < kPer; ++j) {
+          const int v = v0 + ct + 256 * j;
+          in[b][j] = r0 + b < sources && v < v1 ? part(r0 + b, v) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+      CUTE_UNROLL
+      for (int b = 0; b < kBatch; ++b) {
+        if (r0 + b >= sources) break;
+        CUTE_UNROLL
+        for (int j = 0; j < kPer; ++j) {
+          sum[j].x += in[b][j].x, sum[j].y += in[b][j].y;
+          sum[j].z += in[b][j].z, sum[j].w += in[b][j].w;
+        }
+      }
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kPer; ++j) {
+      const int v = v0 + ct + 256 * j;
+      if (v < v1) __stcg(grad_w_vec(slice, v), sum[j]);
+    }
+  };
+  // Share `rank` of k (k >= 2) of a slice, summed over the slice's k partials: as many sources
+  // in flight as fit the registers.
+  auto sum_share = [&](int64_t slice, int k, int rank, auto part) {
+    const int v0 = rank * kSliceVecs / k, v1 = (rank + 1) * kSliceVecs / k;
+    // Vectors per thread of the largest share of k (k >= 4: at most that of 4).
+    constexpr auto per_thread = [](int k) { return ((kSliceVecs + k - 1) / k + 255) / 256; };
+    if (k == 2) sum_vectors(slice, v0, v1, k, Int<per_thread(2)>{}, Int<2>{}, part);
+    else if (k == 3) sum_vectors(slice, v0, v1, k, Int<per_thread(3)>{}, Int<3>{}, part);
+    else sum_vectors(slice, v0, v1, k, Int<per_thread(4)>{}, Int<4>{}, part);
+  };
+
+  // grad_w of a segment that is the whole slice, straight to grad_w.
+  auto write_grad_w = [&](int64_t slice) {
+    Tensor gW = make_tensor(make_gmem_ptr(p.grad_w + slice * kTileH),
+                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
+                                        make_stride(_1{}, H)));  // (h, e)
+    Tensor tWgW = thr_w.partition_C(gW);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+  };
+  // grad_w of a part of a slice, as this CTA's partial of it.
+  auto write_partial = [&](int64_t slice) {
     Tensor gP = make_tensor(make_gmem_ptr(partial(slice, cta)),
                             make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
                                         make_stride(_1{}, Int<kTileH>{})));  // (h, e)
     Tensor tWgP = thr_w.partition_C(gP);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i) tWgP(i) = acc_w(i);
+  };
+  // kLastCta, after write_partial: the slice's ticket. Returns whether this CTA is the slice's
+  // last contributor, which sums the partials once the tensor-core loop is over (only a CTA's
+  // first and last segments can be partial: at most two per CTA).
+  auto take_ticket = [&](int64_t slice) -> bool {
     // One release for the CTA: the barrier orders every thread's partial stores before
     // thread 0's acq_rel ticket (cumulativity), so no thread needs a fence of its own. The
     // acquire half lets the last contributor's reads (after the next barrier) see the others'.
@@ -314,89 +391,77 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Broadcast from lane 0, so that the compiler sees a warp-uniform value.
     return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
   };
-  // The partials of a slice summed in CTA order: the same bits whichever CTA finishes last.
-  // A slot is [E][kTileH], laid out as the slice's rows of grad_w: each thread owns every
-  // 256th 16-byte vector of it and, per partial, issues all its loads before adding, so a
-  // partial costs one memory round trip rather than one per vector.
-  auto reduce_grad_w = [&](int64_t slice) {  // (ordered after the others' partials: see flush)
-    constexpr int kVecsPerRow = kTileH / 4;
-    constexpr int kVecs = kExperts * kVecsPerRow / 256;  // per consumer thread
-    static_assert(kExperts * kVecsPerRow % 256 == 0, "vectors split evenly");
+  // kLastCta: the partials of a slice summed in CTA order, the same bits whichever CTA
+  // finishes last (ordered after the others' partials by take_ticket).
+  auto reduce_grad_w = [&](int64_t slice) {
     const int first = sched.first_cta(slice), last = sched.last_cta(slice);
-    const int64_t h0 = slice * kTileH;
-    auto grad_w_vec = [&](int j) {
-      const int i = ct + 256 * j, e = i / kVecsPerRow, h = i % kVecsPerRow * 4;
-      return reinterpret_cast<float4*>(p.grad_w + e * H + h0 + h);
-    };
-    float4 sum[kVecs];
-    CUTE_UNROLL
-    for (int j = 0; j < kVecs; ++j)
-      sum[j] = p.accumulate ? __ldcg(grad_w_vec(j)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int c = first; c <= last; ++c) {
-      const float4* src = reinterpret_cast<const float4*>(partial(slice, c)) + ct;
-      float4 v[kVecs];
-      CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j) v[j] = __ldcg(src + 256 * j);
-      CUTE_UNROLL
-      for (int j = 0; j < kVecs; ++j)
-        sum[j].x += v[j].x, sum[j].y += v[j].y, sum[j].z += v[j].z, sum[j].w += v[j].w;
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < kVecs; ++j) __stcg(grad_w_vec(j), sum[j]);
+    sum_vectors(slice, 0, kSliceVecs, last - first + 1, Int<kSliceVecs / 256>{}, Int<1>{},
+                [&](int r, int v) {
+                  return __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
+                });
     if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
   };
-
-  // Cluster mode: the CTA's one segment is its cluster's slice. The partials go through the
-  // (now idle) x stages as [E][kRedStride] fp32; CTA r of the cluster then sums vectors
-  // [r·V/k, (r+1)·V/k) of the slice over the cluster in rank order and writes them to grad_w.
-  auto reduce_grad_w_cluster = [&](int slice) {
-    constexpr int kRedStride = Cfg::kRedStride;
-    static_assert(kExperts * kRedStride * sizeof(float) <= sizeof(smem.x), "partial fits");
-    float* red = reinterpret_cast<float*>(smem.x);
+  // kSpread and kCluster: the CTA's one segment is its slice's share `rank`. Its partial goes
+  // to the (now idle) x stages as [E][kRedStride] fp32 first.
+  constexpr int kRedStride = Cfg::kRedStride;
+  static_assert(kExperts * kRedStride * sizeof(float) <= sizeof(smem.x), "partial fits");
+  float* red = reinterpret_cast<float*>(smem.x);
+  auto red_vec = [&](int v) {  // vector v of the staged partial
+    return reinterpret_cast<float4*>(red + (v / kVecsPerRow) * kRedStride + v % kVecsPerRow * 4);
+  };
+  auto stage_partial = [&] {
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
-    {
-      Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
-      Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i)
-        red[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
+    Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_w); ++i)
+      red[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+  };
+  // kSpread: the other CTAs' shares of the partial go to global memory (16-byte stores); once
+  // the slice's k CTAs have all written theirs (all are resident: the grid is at most one
+  // CTA per SM), each sums its share, its own part from shared memory. The last to finish
+  // reading resets both counters for the next launch.
+  auto reduce_grad_w_spread = [&](int slice) {
+    const int k = p.per_slice, first = slice * k, rank = cta - first;
+    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
+    stage_partial();
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    float4* mine = reinterpret_cast<float4*>(partial(slice, cta));
+    CUTE_UNROLL
+    for (int j = 0; j < kSliceVecs / 256; ++j) {
+      const int v = ct + 256 * j;
+      if (v < own0 || v >= own1) __stcg(mine + v, *red_vec(v));
     }
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // partial stores before the release
+    MOE_ROUTING_TRACE(ct == 0, 3);
+    if (ct == 0) {
+      red_release_add(p.tickets + slice);
+      while (ld_acquire(p.tickets + slice) < k) {
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    MOE_ROUTING_TRACE(ct == 0, 6);
+    sum_share(slice, k, rank, [&](int r, int v) {
+      return r == rank ? *red_vec(v)
+                       : __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
+    });
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // every read of the partials done
+    if (ct == 0 && ticket_acq_rel(p.readers + slice) == k - 1) {
+      p.tickets[slice] = 0;
+      p.readers[slice] = 0;
+    }
+    MOE_ROUTING_TRACE(ct == 0, 7);
+  };
+  // kCluster: CTA r sums its share over the cluster's staged partials in rank order
+  // (distributed shared memory).
+  auto reduce_grad_w_cluster = [&](int slice) {
+    stage_partial();
     cluster_arrive();  // every partial of the cluster in place
     cluster_wait();
     MOE_ROUTING_TRACE(ct == 0, 6);
-    constexpr int kVecsPerRow = kTileH / 4, kVecs = kExperts * kVecsPerRow;
-    constexpr int kMaxCluster = 8;
-    const int k = p.cluster, rank = cluster_rank();
-    const int v0 = rank * kVecs / k, v1 = (rank + 1) * kVecs / k;
-    const uint32_t base = cute::cast_smem_ptr_to_uint(red);
-    constexpr int kPerThread = (kVecs / 2 + 255) / 256;  // k >= 2
-    float4 sum[kPerThread];
-    CUTE_UNROLL
-    for (int j = 0; j < kPerThread; ++j) {
-      const int v = v0 + ct + 256 * j;
-      const int e = v / kVecsPerRow, h = v % kVecsPerRow * 4;
-      float4* dst = reinterpret_cast<float4*>(p.grad_w + e * H + slice * kTileH + h);
-      sum[j] = p.accumulate && v < v1 ? __ldcg(dst) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int r = 0; r < kMaxCluster && r < k; ++r) {
-      float4 part[kPerThread];
-      CUTE_UNROLL
-      for (int j = 0; j < kPerThread; ++j) {
-        const int v = v0 + ct + 256 * j;
-        const uint32_t addr = base + uint32_t((v / kVecsPerRow * kRedStride + v % kVecsPerRow * 4) * 4);
-        if (v < v1) part[j] = ld_dsmem_f32x4(map_dsmem(addr, r));
-      }
-      CUTE_UNROLL
-      for (int j = 0; j < kPerThread; ++j)
-        if (v0 + ct + 256 * j < v1)
-          sum[j].x += part[j].x, sum[j].y += part[j].y, sum[j].z += part[j].z, sum[j].w += part[j].w;
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < kPerThread; ++j) {
-      const int v = v0 + ct + 256 * j;
-      const int e = v / kVecsPerRow, h = v % kVecsPerRow * 4;
-      if (v < v1) __stcg(reinterpret_cast<float4*>(p.grad_w + e * H + slice * kTileH + h), sum[j]);
-    }
+    sum_share(slice, p.per_slice, cluster_rank(), [&](int r, int v) {
+      return ld_dsmem_f32x4(map_dsmem(cute::cast_smem_ptr_to_uint(red_vec(v)), r));
+    });
     MOE_ROUTING_TRACE(ct == 0, 7);
     cluster_arrive();  // done reading the other CTAs' partials
     cluster_wait();    // and they are done reading this one's
@@ -409,7 +474,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     warpgroup_fence_operand(acc_w);
   };
 
-  int64_t reduce0 = -1, reduce1 = -1;  // slices this CTA sums at the end
+  int64_t reduce0 = -1, reduce1 = -1;  // kLastCta: slices this CTA sums at the end
   if (count > 0) {
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
@@ -430,11 +495,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       release_unit(n);
       MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
       const bool segment_ends = n + 1 == count || tile == tiles - 1;
-      if (segment_ends && p.cluster == 1) {
-        const bool mine = flush_grad_w(slice, seg_first_tile == 0 && tile == tiles - 1);
-        const int64_t r0 = mine && reduce0 < 0 ? slice : reduce0;
-        reduce1 = mine && reduce0 >= 0 ? slice : reduce1;
-        reduce0 = r0;
+      if (segment_ends && p.sum == GradWSum::kLastCta) {
+        if (seg_first_tile == 0 && tile == tiles - 1) {
+          write_grad_w(slice);
+        } else {
+          write_partial(slice);
+          if (take_ticket(slice)) {
+            if (reduce0 < 0) reduce0 = slice;
+            else reduce1 = slice;
+          }
+        }
         MOE_ROUTING_TRACE(ct == 0, 3);
         if (n + 1 < count) {
           seg_first_tile = 0;
@@ -444,7 +514,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
-  if (p.cluster > 1) reduce_grad_w_cluster(int(unit0 / tiles));
+  if (p.sum == GradWSum::kCluster) reduce_grad_w_cluster(int(unit0 / tiles));
+  if (p.sum == GradWSum::kSpread) reduce_grad_w_spread(int(unit0 / tiles));
   if (reduce0 >= 0) reduce_grad_w(reduce0);
   if (reduce1 >= 0) reduce_grad_w(reduce1);
   MOE_ROUTING_TRACE(ct == 0, 4);

@@ -33,6 +33,17 @@ struct LinearSchedule {
   __host__ __device__ static int64_t slot(int64_t s, int c) { return s + c; }
 };
 
+// How the grad_w partials of a slice cut over several CTAs are summed (the order is fixed in
+// every mode: CTA order, so the bits do not depend on timing).
+//   kLastCta  each CTA writes its partial to global memory and takes a ticket; the slice's
+//             last contributor sums them all. Any schedule.
+//   kSpread   ctas = k · slices; each CTA writes its partial, waits until the slice's k
+//             partials are written, then sums 1/k of the slice over them. Needs all CTAs
+//             resident at once: the host uses it only for a grid of at most one CTA per SM.
+//   kCluster  ctas = k · slices, launched in clusters of k: as kSpread, with the partials in
+//             each CTA's shared memory, read through distributed shared memory.
+enum class GradWSum : int { kLastCta = 0, kSpread = 1, kCluster = 2 };
+
 // Walks a CTA's units in order as (slice, tile): one division where it starts, none per unit
 // (64-bit divisions and their registers stay out of the loops).
 struct UnitCursor {
