@@ -79,11 +79,12 @@ struct Config {
                 "one wgmma spans all experts");
 
   // Reduction buffer (fp32): [kTileT rows][kRedStride], this CTA's partial logits; the rows
-  // the CTA owns are then overwritten with their sums. The +8 padding makes the accumulator's
-  // pair stores (8 rows × 4 column pairs per warp) and the routing's row reads (4 rows × 8
-  // columns) bank-conflict free.
-  static constexpr int kRedStride = kExperts + 8;
-  // After it, one scratch row per token of a routing pass (64 tokens).
+  // the CTA owns are then overwritten with their sums, then their scores. The +4 padding makes
+  // the one-token-per-thread routing's 16-byte row reads (8 rows per quarter warp) bank-conflict
+  // free; the accumulator's pair stores, once per tile, conflict 2-way.
+  static constexpr int kRedStride = kExperts + 4;
+  // After it, one scratch row per token of a routing pass (64 tokens), or the per-thread group
+  // keys of the one-token-per-thread routing.
   static constexpr int kScratchRows = 64;
   static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
 
@@ -97,6 +98,7 @@ struct Config {
       alignas(16) float red[(kTileT + kScratchRows) * kRedStride];
     } buf;
     alignas(16) int counts[kExperts];    // per-expert token counts of the CTA (optional output)
+    alignas(16) float bias[kExperts];    // the correction bias, for the routing
     alignas(8) uint64_t full[kStages];   // TMA landed (expect-tx)
     alignas(8) uint64_t empty[kStages];  // both consumer warpgroups done reading
   };

@@ -30,6 +30,7 @@
 #include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
+#include "kernels/fused_forward/route_thread.cuh"
 
 namespace moe_routing::kernels::fused_forward {
 
@@ -155,48 +156,90 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);  // sums → routing
   MOE_ROUTING_TRACE(ct == 0, 6);
 
-  const int warp = ct / 32, lane = ct % 32;
-  const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
-  const int sub = lane % kRouteWidth;
-  float bias[Route::kPer];
-  CUTE_UNROLL
-  for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
-  int gid[Route::kPer];
-  Route::groups(p.route, gid);
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
                      p.counts ? smem.counts : nullptr};
   const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
-  constexpr int kSlots = Cfg::kConsumers * 4 * (32 / kRouteWidth);  // token slots: 32
-  static_assert(2 * kSlots == Cfg::kScratchRows, "one scratch row per token of a pass");
-  // A pass routes kTok tokens per slot (uniform trip count: shuffles inside). Two where the
-  // CTA has the rows for it and the registers (up to 20 experts per lane; more would spill).
-  auto pass = [&](auto tok, int r0) {
-    constexpr int kTok = decltype(tok)::value;
-    float logit[kTok][Route::kPer];
-    float* choice_row[kTok];
-    int64_t t[kTok];
-    bool valid[kTok];
-    CUTE_UNROLL
-    for (int u = 0; u < kTok; ++u) {
-      const int r = r0 + u * kSlots + slot;
-      const bool in = r < rows;
-      t[u] = row0 + r;
-      valid[u] = in && t[u] < p.tokens;
-      choice_row[u] = red + (kTileT + u * kSlots + slot) * kStride;  // scratch after the rows
-      CUTE_UNROLL
-      for (int i = 0; i < Route::kPer; ++i)  // (0 + x: the bits of a sum that starts at zero)
-        logit[u][i] = in ? 0.0f + red[(row0_local + r) * kStride + sub + kRouteWidth * i] : 0.0f;
+  using ThreadRoute = fused_forward::ThreadRoute<kExperts>;
+  if (p.route.top_k <= ThreadRoute::kMaxTopK && p.route.n_group <= ThreadRoute::kMaxGroups) {
+    // Scores in place of the logits (and to the optional full-scores output), the bias to
+    // shared memory; then a few lanes per token (route_thread.cuh).
+    float* own = red + row0_local * kStride;
+    constexpr int kVecsPerRow = kExperts / 4;
+#pragma unroll 4  // loads of several vectors in flight, their exponentials interleaved
+    for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
+      const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
+      float4* at = reinterpret_cast<float4*>(own + r * kStride + c);
+      const float4 l = *at;  // (0 + x: the bits of a sum that starts at zero)
+      const float4 sv = make_float4(sigmoid(0.0f + l.x), sigmoid(0.0f + l.y),
+                                    sigmoid(0.0f + l.z), sigmoid(0.0f + l.w));
+      *at = sv;
+      const int64_t t = row0 + r;
+      if (p.scores && t < p.tokens) {
+        float* dst = p.scores + t * kExperts + c;
+        dst[0] = sv.x, dst[1] = sv.y, dst[2] = sv.z, dst[3] = sv.w;
+      }
     }
-    Route::template run<kTok>(logit, bias, gid, choice_row, p.route, out, t, valid);
-  };
-  if constexpr (Route::kPer <= 20) {
-    if (rows > kSlots) {
-      for (int r0 = 0; r0 < rows; r0 += 2 * kSlots) pass(Int<2>{}, r0);
-    } else {
-      pass(Int<1>{}, 0);
-    }
+    for (int e = ct; e < kExperts; e += 128 * Cfg::kConsumers) smem.bias[e] = p.bias[e];
+    cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);
+    MOE_ROUTING_TRACE(ct == 0, 9);
+    static_assert(ThreadRoute::kMaxGroups * kTileT <= Cfg::kScratchRows * kStride, "group keys");
+    // As many lanes per token as the 256 consumer threads allow (whole warps: rows >= 8).
+    auto route = [&](auto lanes) {
+      constexpr int kLanes = decltype(lanes)::value;
+      const int r = ct / kLanes;
+      if (r < rows) {
+        uint32_t* group_keys = reinterpret_cast<uint32_t*>(red + kTileT * kStride) + r;
+        ThreadRoute::template run<kLanes>(own + r * kStride, smem.bias, group_keys, kTileT,
+                                          p.route, out, row0 + r, row0 + r < p.tokens,
+                                          ct % kLanes);
+      }
+    };
+    const int lanes = (128 * Cfg::kConsumers) / rows;
+    if (lanes >= 16 && ThreadRoute::kMaxLanes >= 16) route(Int<cute::min(16, ThreadRoute::kMaxLanes)>{});
+    else if (lanes >= 8 && ThreadRoute::kMaxLanes >= 8) route(Int<cute::min(8, ThreadRoute::kMaxLanes)>{});
+    else if (lanes >= 4 && ThreadRoute::kMaxLanes >= 4) route(Int<cute::min(4, ThreadRoute::kMaxLanes)>{});
+    else route(Int<cute::min(2, ThreadRoute::kMaxLanes)>{});
   } else {
-    for (int r0 = 0; r0 < rows; r0 += kSlots) pass(Int<1>{}, r0);
+    const int warp = ct / 32, lane = ct % 32;
+    const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
+    const int sub = lane % kRouteWidth;
+    float bias[Route::kPer];
+    CUTE_UNROLL
+    for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
+    int gid[Route::kPer];
+    Route::groups(p.route, gid);
+    constexpr int kSlots = Cfg::kConsumers * 4 * (32 / kRouteWidth);  // token slots: 32
+    static_assert(2 * kSlots == Cfg::kScratchRows, "one scratch row per token of a pass");
+    // A pass routes kTok tokens per slot (uniform trip count: shuffles inside). Two where the
+    // CTA has the rows for it and the registers (up to 20 experts per lane; more would spill).
+    auto pass = [&](auto tok, int r0) {
+      constexpr int kTok = decltype(tok)::value;
+      float logit[kTok][Route::kPer];
+      float* choice_row[kTok];
+      int64_t t[kTok];
+      bool valid[kTok];
+      CUTE_UNROLL
+      for (int u = 0; u < kTok; ++u) {
+        const int r = r0 + u * kSlots + slot;
+        const bool in = r < rows;
+        t[u] = row0 + r;
+        valid[u] = in && t[u] < p.tokens;
+        choice_row[u] = red + (kTileT + u * kSlots + slot) * kStride;  // scratch after the rows
+        CUTE_UNROLL
+        for (int i = 0; i < Route::kPer; ++i)  // (0 + x: the bits of a sum that starts at zero)
+          logit[u][i] = in ? 0.0f + red[(row0_local + r) * kStride + sub + kRouteWidth * i] : 0.0f;
+      }
+      Route::template run<kTok>(logit, bias, gid, choice_row, p.route, out, t, valid);
+    };
+    if constexpr (Route::kPer <= 20) {
+      if (rows > kSlots) {
+        for (int r0 = 0; r0 < rows; r0 += 2 * kSlots) pass(Int<2>{}, r0);
+      } else {
+        pass(Int<1>{}, 0);
+      }
+    } else {
+      for (int r0 = 0; r0 < rows; r0 += kSlots) pass(Int<1>{}, r0);
+    }
   }
 
   if (p.counts) {

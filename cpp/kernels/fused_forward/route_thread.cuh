@@ -1,0 +1,184 @@
+// The fused forward's routing epilogue for top_k <= 8: kLanes threads per token (2 to 16,
+// adjacent lanes), the token's scores in a row of shared memory. Each thread scans a share of
+// the groups, then a contiguous share of the experts, with register compares only; the shares'
+// top-k lists are then merged across the token's lanes (log2 kLanes shuffle rounds). The
+// chains of a thread are serial, so the work is spread over as many warps as the tile allows.
+// Same selection as rank_key (larger first, lower index on ties, NaN below everything) and the
+// same weights as the other paths.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/fused_forward/route.cuh"
+
+namespace moe_routing::kernels::fused_forward {
+
+// Order-preserving 32-bit key of a choice score c: larger c ranks higher; NaN is 1, below every
+// other value (the keys 1 ... 0x007FFFFE belong to negative NaN bit patterns only, so no value
+// maps there); 0 means "nothing". Within a thread, ties are broken by scan order: the scans run
+// in ascending expert (or group) index and replace only on a strictly larger key.
+__device__ __forceinline__ uint32_t choice_key(float c) {
+  const uint32_t u = __float_as_uint(c);
+  const uint32_t ord = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return c != c ? 1u : ord;
+}
+
+// Larger first, then the lower index (rank_key's order), for merging lists of different lanes.
+__device__ __forceinline__ uint64_t merge_key(uint32_t key, int idx) {
+  return (uint64_t(key) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(idx));
+}
+
+template <int kExperts>
+struct ThreadRoute {
+  static constexpr int kMaxTopK = 8;
+  static constexpr int kMaxGroups = 32;
+  static_assert(kExperts % 4 == 0, "rows are read as 16-byte vectors");
+  // Most lanes per token: a power of two up to 16 whose expert shares are whole vectors.
+  static constexpr int kMaxLanes = kExperts % 64 == 0 ? 16 : kExperts % 32 == 0 ? 8
+                                 : kExperts % 16 == 0 ? 4 : kExperts % 8 == 0 ? 2 : 1;
+
+  // Token t (lane `sub` of its kLanes lanes; every lane of the warp calls this): its scores s
+  // (E floats, 16-byte aligned, shared memory) → its top_k experts, weights and scores, written
+  // where `valid`. `bias`: E floats in shared memory. `group_keys`: the token's kMaxGroups words
+  // of shared scratch, `stride` words apart. p.top_k <= kMaxTopK, p.n_group <= kMaxGroups.
+  template <int kLanes>
+  __device__ __forceinline__ static void run(const float* s, const float* bias,
+                                             uint32_t* group_keys, int stride,
+                                             const RouteParams& p, const RouteOut& out, int64_t t,
+                                             bool valid, int sub) {
+    static_assert(kLanes >= 1 && kLanes <= kMaxLanes && (kLanes & (kLanes - 1)) == 0, "lanes");
+    const int per_group = kExperts / p.n_group;
+
+    // Groups kept: the topk_group best by group score, the sum of the group's two best choice
+    // scores (ranked as in top-k); ties to the lower group. Lane `sub` scores groups sub,
+    // sub + kLanes, ...
+    uint32_t kept = 1u;
+    if (p.n_group > 1) {
+      for (int g = sub; g < p.n_group; g += kLanes) {
+        uint32_t k1 = 0, k2 = 0;
+        float v1 = 0.0f, v2 = 0.0f;
+        const int e0 = g * per_group;
+#pragma unroll 4  // loads of several members in flight
+        for (int e = e0; e < e0 + per_group; ++e) {
+          const float c = s[e] + bias[e];
+          const uint32_t k = choice_key(c);
+          const bool first = k > k1, second = k > k2;
+          k2 = first ? k1 : second ? k : k2;
+          v2 = first ? v1 : second ? c : v2;
+          k1 = first ? k : k1;
+          v1 = first ? c : v1;
+        }
+        group_keys[g * stride] = choice_key(v1 + v2);
+      }
+      __syncwarp();
+      kept = 0;
+      for (int r = 0; r < p.topk_group; ++r) {
+        uint32_t best = 0;
+        int best_g = 0;
+        for (int g = 0; g < p.n_group; ++g) {
+          const uint32_t k = group_keys[g * stride];
+          if (!((kept >> g) & 1u) && k > best) best = k, best_g = g;
+        }
+        kept |= 1u << best_g;
+      }
+    }
+
+    // Top-k of the kept groups' experts in this lane's share: a sorted list of kMaxTopK (key,
+    // expert), each candidate compared with every entry at once (independent compares, then
+    // selects). Unconditional: with many tokens per warp some lane almost always inserts.
+    constexpr int kShare = kExperts / kLanes;
+    static_assert(kShare % 4 == 0, "whole vectors per lane");
+    uint32_t key[kMaxTopK];
+    int idx[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) key[j] = 0, idx[j] = 0;
+    const int first = sub * kShare;
+    int g = first / per_group, group_end = (g + 1) * per_group;
+    bool in = (kept >> g) & 1u;
+    const float4* s4 = reinterpret_cast<const float4*>(s + first);
+    const float4* b4 = reinterpret_cast<const float4*>(bias + first);
+#pragma unroll 2
+    for (int v = 0; v < kShare / 4; ++v) {
+      const float4 sv = s4[v], bv = b4[v];
+      const float c[4] = {sv.x + bv.x, sv.y + bv.y, sv.z + bv.z, sv.w + bv.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int e = first + 4 * v + q;
+        const uint32_t k = in ? choice_key(c[q]) : 0u;
+        bool gt[kMaxTopK];
+#pragma unroll
+        for (int j = 0; j < kMaxTopK; ++j) gt[j] = k > key[j];
+#pragma unroll
+        for (int j = kMaxTopK - 1; j > 0; --j) {
+          key[j] = gt[j] ? (gt[j - 1] ? key[j - 1] : k) : key[j];
+          idx[j] = gt[j] ? (gt[j - 1] ? idx[j - 1] : e) : idx[j];
+        }
+        key[0] = gt[0] ? k : key[0];
+        idx[0] = gt[0] ? e : idx[0];
+        if (e + 1 == group_end && e + 1 < kExperts) {
+          ++g, group_end += per_group;
+          in = (kept >> g) & 1u;
+        }
+      }
+    }
+
+    // Merge the lanes' lists: per round, the top kMaxTopK of two sorted lists is the
+    // elementwise max of one and the other reversed (a bitonic sequence), sorted by a
+    // half-cleaner network. Every lane ends with the same list.
+    if constexpr (kLanes > 1) {
+      uint64_t m[kMaxTopK];
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) m[j] = merge_key(key[j], idx[j]);
+#pragma unroll
+      for (int o = 1; o < kLanes; o <<= 1) {
+        uint64_t other[kMaxTopK];
+#pragma unroll
+        for (int j = 0; j < kMaxTopK; ++j) other[j] = __shfl_xor_sync(0xFFFFFFFFu, m[j], o);
+#pragma unroll
+        for (int j = 0; j < kMaxTopK; ++j) {
+          const uint64_t b = other[kMaxTopK - 1 - j];
+          m[j] = b > m[j] ? b : m[j];
+        }
+#pragma unroll
+        for (int d = kMaxTopK / 2; d > 0; d >>= 1) {
+#pragma unroll
+          for (int j = 0; j < kMaxTopK; ++j) {
+            if ((j & d) == 0) {
+              const uint64_t hi = m[j] > m[j + d] ? m[j] : m[j + d];
+              const uint64_t lo = m[j] > m[j + d] ? m[j + d] : m[j];
+              m[j] = hi, m[j + d] = lo;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) idx[j] = key_index(m[j]);
+    }
+
+    // Weights in selection order (the sum's order is fixed: the same bits every run); lane sub
+    // writes entries sub, sub + kLanes, ...
+    float sel[kMaxTopK];
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      sel[j] = j < p.top_k ? s[idx[j]] : 0.0f;
+      sum += sel[j];
+    }
+    if (!valid) return;
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (j < p.top_k && j % kLanes == sub) {
+        float wgt = sel[j];
+        if (p.norm) wgt = sel[j] / (sum + 1e-20f);
+        wgt *= p.scale;
+        const int64_t o = t * p.top_k + j;
+        out.topk_idx[o] = idx[j];
+        out.topk_weights[o] = wgt;
+        out.topk_scores[o] = sel[j];
+        if (out.counts) atomicAdd(out.counts + idx[j], 1);
+      }
+    }
+  }
+};
+
+}  // namespace moe_routing::kernels::fused_forward
