@@ -50,13 +50,14 @@ for section in $sections; do
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         "$bench" --bench --filter t32768 --json "$out/ncu-bench.json" ;;
     sanitize)
-      # Small shapes, zero tokens, validation, and four suite cases with the tails T=3001 and
+      # Small shapes, every grad_w sum mode, zero tokens, validation, and four suite cases with the tails T=3001 and
       # T=10007, under each tool. One process per (tool, test, suite case), SANITIZE_JOBS at
       # a time (racecheck of the larger backward cases takes minutes).
       cases="t512_g1x1 t1536_g4x2 t3001_g8x4 t10007_g1x1"
       jobs=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
-        for t in backward_small_shapes zero_tokens invalid_arguments forward_fused_shapes; do
+        for t in backward_small_shapes backward_grad_w_sums zero_tokens invalid_arguments \
+          forward_fused_shapes; do
           jobs+=("$tool $t -")
         done
         for t in suite_backward suite_forward; do
