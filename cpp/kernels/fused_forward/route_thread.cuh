@@ -1,7 +1,8 @@
 // The fused forward's routing epilogue for top_k <= 8: kLanes threads per token (2 to 16,
 // adjacent lanes), the token's scores in a row of shared memory. Each thread scans a share of
-// the groups, then a contiguous share of the experts, with register compares only; the shares'
-// top-k lists are then merged across the token's lanes (log2 kLanes shuffle rounds). The
+// the groups, then its share of the kept groups (or of all experts where there is one group),
+// with register compares only; the shares' top-k lists are then merged across the token's lanes
+// (log2 kLanes shuffle rounds). The
 // chains of a thread are serial, so the work is spread over as many warps as the tile allows.
 // Same selection as rank_key (larger first, lower index on ties, NaN below everything) and the
 // same weights as the other paths.
@@ -26,6 +27,12 @@ __device__ __forceinline__ uint32_t choice_key(float c) {
 // Larger first, then the lower index (rank_key's order), for merging lists of different lanes.
 __device__ __forceinline__ uint64_t merge_key(uint32_t key, int idx) {
   return (uint64_t(key) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(idx));
+}
+
+// Position of the n-th (from 0) set bit of mask, which has more than n.
+__device__ __forceinline__ int nth_set_bit(uint32_t mask, int n) {
+  for (int i = 0; i < n; ++i) mask &= mask - 1;
+  return __ffs(mask) - 1;
 }
 
 template <int kExperts>
@@ -86,39 +93,47 @@ struct ThreadRoute {
     // Top-k of the kept groups' experts in this lane's share: a sorted list of kMaxTopK (key,
     // expert), each candidate compared with every entry at once (independent compares, then
     // selects). Unconditional: with many tokens per warp some lane almost always inserts.
-    constexpr int kShare = kExperts / kLanes;
-    static_assert(kShare % 4 == 0, "whole vectors per lane");
     uint32_t key[kMaxTopK];
     int idx[kMaxTopK];
 #pragma unroll
     for (int j = 0; j < kMaxTopK; ++j) key[j] = 0, idx[j] = 0;
-    const int first = sub * kShare;
-    int g = first / per_group, group_end = (g + 1) * per_group;
-    bool in = (kept >> g) & 1u;
-    const float4* s4 = reinterpret_cast<const float4*>(s + first);
-    const float4* b4 = reinterpret_cast<const float4*>(bias + first);
+    auto insert = [&](float c, int e) {
+      const uint32_t k = choice_key(c);
+      bool gt[kMaxTopK];
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) gt[j] = k > key[j];
+#pragma unroll
+      for (int j = kMaxTopK - 1; j > 0; --j) {
+        key[j] = gt[j] ? (gt[j - 1] ? key[j - 1] : k) : key[j];
+        idx[j] = gt[j] ? (gt[j - 1] ? idx[j - 1] : e) : idx[j];
+      }
+      key[0] = gt[0] ? k : key[0];
+      idx[0] = gt[0] ? e : idx[0];
+    };
+    if (p.n_group > 1) {
+      // Only the kept groups: lane sub takes the sub-th, (sub + kLanes)-th, ... of them in
+      // ascending order (the same trip counts for every token of the warp: no divergence).
+      for (int j = sub; j < p.topk_group; j += kLanes) {
+        const int g = nth_set_bit(kept, j);
+        const int e0 = g * per_group;
+#pragma unroll 4
+        for (int e = e0; e < e0 + per_group; ++e) insert(s[e] + bias[e], e);
+      }
+    } else {
+      // Every expert: lane sub takes a contiguous share, as 16-byte vectors.
+      constexpr int kShare = kExperts / kLanes;
+      static_assert(kShare % 4 == 0, "whole vectors per lane");
+      const int first = sub * kShare;
+      const float4* s4 = reinterpret_cast<const float4*>(s + first);
+      const float4* b4 = reinterpret_cast<const float4*>(bias + first);
 #pragma unroll 2
-    for (int v = 0; v < kShare / 4; ++v) {
-      const float4 sv = s4[v], bv = b4[v];
-      const float c[4] = {sv.x + bv.x, sv.y + bv.y, sv.z + bv.z, sv.w + bv.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int e = first + 4 * v + q;
-        const uint32_t k = in ? choice_key(c[q]) : 0u;
-        bool gt[kMaxTopK];
-#pragma unroll
-        for (int j = 0; j < kMaxTopK; ++j) gt[j] = k > key[j];
-#pragma unroll
-        for (int j = kMaxTopK - 1; j > 0; --j) {
-          key[j] = gt[j] ? (gt[j - 1] ? key[j - 1] : k) : key[j];
-          idx[j] = gt[j] ? (gt[j - 1] ? idx[j - 1] : e) : idx[j];
-        }
-        key[0] = gt[0] ? k : key[0];
-        idx[0] = gt[0] ? e : idx[0];
-        if (e + 1 == group_end && e + 1 < kExperts) {
-          ++g, group_end += per_group;
-          in = (kept >> g) & 1u;
-        }
+      for (int v = 0; v < kShare / 4; ++v) {
+        const float4 sv = s4[v], bv = b4[v];
+        const int e = first + 4 * v;
+        insert(sv.x + bv.x, e);
+        insert(sv.y + bv.y, e + 1);
+        insert(sv.z + bv.z, e + 2);
+        insert(sv.w + bv.w, e + 3);
       }
     }
 
