@@ -140,8 +140,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
     Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{},
                            make_coord(_, _));  // (h, t, slice, tile)
-    auto [tXgX, tXsX] = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                      group_modes<0, 2>(gX));  // (TMA, slice, tile), (TMA, stage)
+    auto load_part = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
+                                   group_modes<0, 2>(gX));
+    Tensor tXgX = get<0>(load_part);  // (TMA, slice, tile)
+    Tensor tXsX = get<1>(load_part);  // (TMA, stage)
     UnitCursor x_unit(unit0, tiles);  // unit of the next x load
     auto load_x = [&](int n) {  // thread 0, units in order
       const int s = n % kStagesX;

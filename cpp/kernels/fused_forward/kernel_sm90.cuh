@@ -118,16 +118,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // Partial logits → this CTA's buffer, rows as in the tile, by coordinate: no assumption on
   // the accumulator's register layout beyond pairs of adjacent experts (8-byte stores).
   float* red = smem.buf.red;
+  using ThreadRoute = fused_forward::ThreadRoute<kExperts>;
+  const bool thread_route =
+      p.route.top_k <= ThreadRoute::kMaxTopK && p.route.n_group <= ThreadRoute::kMaxGroups;
+  // Without a split the accumulators are the logits: the few-lanes routing takes their scores,
+  // computed here from registers (0 + x: the bits of a sum that starts at zero).
+  const bool scores_now = thread_route && split == 1;
   {
     Tensor cC = make_identity_tensor(Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (t, e) → (t, e)
     Tensor tCcC = mma.get_thread_slice(ct).partition_C(cC);  // (MMA, MMA_M, MMA_N), like acc
     static_assert(decltype(size(tCcC))::value == decltype(size(acc))::value, "coordinates");
     static_assert(size<0, 0>(decltype(tCcC){}) == 2, "accumulator pairs run along e");
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc); i += 2) {
-      const int m = get<0>(tCcC(i)), e = get<1>(tCcC(i));
-      *reinterpret_cast<float2*>(red + m * kStride + e) = make_float2(acc(i), acc(i + 1));
-    }
+    auto store = [&](auto transform) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        const int m = get<0>(tCcC(i)), e = get<1>(tCcC(i));
+        *reinterpret_cast<float2*>(red + m * kStride + e) =
+            make_float2(transform(acc(i)), transform(acc(i + 1)));
+      }
+    };
+    if (scores_now) store([](float x) { return sigmoid(0.0f + x); });
+    else store([](float x) { return x; });
   }
 
   cluster.sync();  // 2: every partial is in place
@@ -159,20 +170,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
                      p.counts ? smem.counts : nullptr};
   const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
-  using ThreadRoute = fused_forward::ThreadRoute<kExperts>;
-  if (p.route.top_k <= ThreadRoute::kMaxTopK && p.route.n_group <= ThreadRoute::kMaxGroups) {
-    // Scores in place of the logits (and to the optional full-scores output), the bias to
-    // shared memory; then a few lanes per token (route_thread.cuh).
+  if (thread_route) {
+    // Scores in place of the logits where not done yet (and to the optional full-scores
+    // output), the bias to shared memory; then a few lanes per token (route_thread.cuh).
     float* own = red + row0_local * kStride;
     constexpr int kVecsPerRow = kExperts / 4;
 #pragma unroll 4  // loads of several vectors in flight, their exponentials interleaved
     for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
+      if (scores_now && !p.scores) break;
       const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
       float4* at = reinterpret_cast<float4*>(own + r * kStride + c);
-      const float4 l = *at;  // (0 + x: the bits of a sum that starts at zero)
-      const float4 sv = make_float4(sigmoid(0.0f + l.x), sigmoid(0.0f + l.y),
-                                    sigmoid(0.0f + l.z), sigmoid(0.0f + l.w));
-      *at = sv;
+      float4 sv = *at;
+      if (!scores_now) {
+        sv = make_float4(sigmoid(0.0f + sv.x), sigmoid(0.0f + sv.y), sigmoid(0.0f + sv.z),
+                         sigmoid(0.0f + sv.w));
+        *at = sv;
+      }
       const int64_t t = row0 + r;
       if (p.scores && t < p.tokens) {
         float* dst = p.scores + t * kExperts + c;
