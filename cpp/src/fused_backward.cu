@@ -47,8 +47,9 @@ int active_clusters(int device, int k) {
 // (the kernel's shared memory allows no more), so all are resident once the SMs are free.
 // Costs in units of one unit's time (about 2 µs), measured on an H200 at T = 512: the cluster
 // sum about 2.5 units whatever k; the last-CTA sum about 1.7 (partial stores and ticket) plus
-// 1.1 per partial; the spread sum through global memory about 2.8. Where the slices outnumber
-// the SMs, one range per SM (last-CTA sum).
+// 1.1 per partial; the spread sum through global memory about 2.8 (T = 4096, k = 3: ~6 µs
+// from the last unit to the end). Where the slices outnumber the SMs, one range per SM
+// (last-CTA sum).
 BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);

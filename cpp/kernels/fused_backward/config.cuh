@@ -87,7 +87,7 @@ struct Config {
   using CopyGX = Copy_Atom<SM90_U16x8_STSM_T, Elem>;
 
   static constexpr int kXBytes = kTileT * kTileH * 2;
-  // Row stride (floats) of a grad_w partial in shared memory (cluster reduction): the
+  // Row stride (floats) of a grad_w partial in shared memory (spread and cluster sums): the
   // accumulator's stores (8 h × 4 e per warp) then hit 32 distinct banks.
   static constexpr int kRedStride = kTileH + 4;
 
