@@ -1,8 +1,6 @@
 // Host launch of one fused-backward instantiation: TMA descriptors, parameters, launch.
 #pragma once
 
-#include <atomic>
-
 #include <cute/tensor.hpp>
 
 #include "fused_backward.h"
@@ -34,17 +32,7 @@ struct Kernel {
   using Cfg = kernels::fused_backward::Config<kExperts, kTopK>;
   using P = decltype(make_params<kExperts, kTopK>(nullptr, nullptr, 128, 1));
   static constexpr auto kernel = kernels::fused_backward::fused_backward_sm90<Cfg, P>;
-
-  static Status prepare(int device) {
-    static std::atomic<uint64_t> prepared{0};
-    return prepare_kernel(kernel, device, Cfg::kSmemBytes, false, prepared);
-  }
-
-  // Launch configuration: attrs[0] receives the cluster attribute.
-  static cudaLaunchConfig_t config(unsigned grid, int cluster, cudaStream_t stream,
-                                   cudaLaunchAttribute* attrs) {
-    return cluster_launch_config(grid, Cfg::kThreads, Cfg::kSmemBytes, cluster, stream, attrs);
-  }
+  static constexpr bool kLargeClusters = false;  // clusters of at most 8
 };
 
 }  // namespace fused_backward_impl
@@ -60,7 +48,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   using K = fused_backward_impl::Kernel<kExperts, kTopK>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
-  if (Status s = K::prepare(device); s != Status::kSuccess) return s;
+  if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
   const int64_t H = cfg.hidden_size, T = a.tokens;
 
   typename K::P p = fused_backward_impl::make_params<kExperts, kTopK>(
@@ -92,7 +80,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
 
   const int cluster = plan.sum == GradWSum::kCluster ? plan.per_slice : 1;
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t c = K::config(unsigned(plan.ctas), cluster, stream, attrs);
+  cudaLaunchConfig_t c = launch_config<K>(unsigned(plan.ctas), cluster, stream, attrs);
   attrs[1] = dependent_launch_attribute();
   c.numAttrs = 2;
   return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));

@@ -1,8 +1,6 @@
 // Host launch of one fused-forward instantiation: TMA descriptors, parameters, cluster launch.
 #pragma once
 
-#include <atomic>
-
 #include <cute/tensor.hpp>
 
 #include "fused_forward.h"
@@ -37,18 +35,7 @@ struct Kernel {
   using P = decltype(make_params<kExperts>(nullptr, nullptr, 1, 64));
 
   static constexpr auto kernel = kernels::fused_forward::fused_forward_sm90<Cfg, P>;
-
-  // Clusters of 16 are non-portable: allowed where the device has them.
-  static Status prepare(int device) {
-    static std::atomic<uint64_t> prepared{0};
-    return prepare_kernel(kernel, device, Cfg::kSmemBytes, true, prepared);
-  }
-
-  // Launch configuration: attrs[0] receives the cluster attribute.
-  static cudaLaunchConfig_t config(unsigned grid, int split, cudaStream_t stream,
-                                   cudaLaunchAttribute* attrs) {
-    return cluster_launch_config(grid, Cfg::kThreads, Cfg::kSmemBytes, split, stream, attrs);
-  }
+  static constexpr bool kLargeClusters = true;  // clusters of 16 where the device has them
 };
 
 }  // namespace fused_forward_impl
@@ -64,7 +51,7 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
   using K = fused_forward_impl::Kernel<kExperts>;
   using Cfg = typename K::Cfg;
   using Elem = typename K::Elem;
-  if (Status s = K::prepare(device); s != Status::kSuccess) return s;
+  if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
 
   typename K::P p = fused_forward_impl::make_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
                                    reinterpret_cast<const Elem*>(a.w.data), a.tokens,
@@ -90,7 +77,7 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
   }
   const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
   cudaLaunchAttribute attrs[2] = {{}, dependent_launch_attribute()};
-  cudaLaunchConfig_t c = K::config(unsigned(tiles * split), split, stream, attrs);
+  cudaLaunchConfig_t c = launch_config<K>(unsigned(tiles * split), split, stream, attrs);
   c.numAttrs = 2;
   return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
 }

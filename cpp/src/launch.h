@@ -49,36 +49,39 @@ inline cudaLaunchAttribute dependent_launch_attribute() {
   return a;
 }
 
-// Opts `kernel` into `smem_bytes` of dynamic shared memory on `device` (and, with
-// `large_clusters`, into clusters above 8 CTAs where the device has them). The setting is per
-// device and sticks: `prepared` (one per kernel) records the devices done.
-template <class KernelPtr>
-Status prepare_kernel(KernelPtr kernel, int device, int smem_bytes, bool large_clusters,
-                      std::atomic<uint64_t>& prepared) {
+// The helpers below take a kernel description K: K::kernel (the __global__ function), K::Cfg
+// (with kThreads and kSmemBytes) and K::kLargeClusters (clusters above 8 CTAs wanted).
+
+// Opts K::kernel into its dynamic shared memory on `device` (and, with K::kLargeClusters, into
+// clusters above 8 CTAs where the device has them). The setting is per device and sticks: set
+// once per device.
+template <class K>
+Status prepare_kernel(int device) {
+  static std::atomic<uint64_t> prepared{0};  // one bit per device done
   const uint64_t bit = uint64_t(1) << (device & 63);
   if (prepared.load(std::memory_order_acquire) & bit) return Status::kSuccess;
   RelaxedCaptureScope relaxed;
-  if (Status s = cuda_status(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  if (Status s = cuda_status(cudaFuncSetAttribute(
+          K::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::Cfg::kSmemBytes));
       s != Status::kSuccess)
     return s;
-  if (large_clusters) {  // allowed where the device has them (the occupancy query says)
-    (void)cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (K::kLargeClusters) {  // allowed where the device has them (the occupancy query says)
+    (void)cudaFuncSetAttribute(K::kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     (void)cudaGetLastError();
   }
   prepared.fetch_or(bit, std::memory_order_release);
   return Status::kSuccess;
 }
 
-// Launch configuration of a 1-D grid in clusters of `cluster` CTAs: the cluster attribute goes
-// into attrs[0], which the caller keeps alive until the launch.
-inline cudaLaunchConfig_t cluster_launch_config(unsigned grid, int threads, int smem_bytes,
-                                                int cluster, cudaStream_t stream,
-                                                cudaLaunchAttribute* attrs) {
+// Launch configuration of K as a 1-D grid in clusters of `cluster` CTAs: the cluster attribute
+// goes into attrs[0], which the caller keeps alive until the launch.
+template <class K>
+cudaLaunchConfig_t launch_config(unsigned grid, int cluster, cudaStream_t stream,
+                                 cudaLaunchAttribute* attrs) {
   cudaLaunchConfig_t c{};
   c.gridDim = dim3(grid);
-  c.blockDim = dim3(unsigned(threads));
-  c.dynamicSmemBytes = size_t(smem_bytes);
+  c.blockDim = dim3(unsigned(K::Cfg::kThreads));
+  c.dynamicSmemBytes = size_t(K::Cfg::kSmemBytes);
   c.stream = stream;
   attrs[0] = {};
   attrs[0].id = cudaLaunchAttributeClusterDimension;
@@ -90,14 +93,13 @@ inline cudaLaunchConfig_t cluster_launch_config(unsigned grid, int threads, int 
   return c;
 }
 
-// Clusters of `cluster` CTAs of kernel K (K::prepare, K::config and K::kernel, as in the fused
-// launchers) that fit on `device` at once; 0 where none do or on error.
+// Clusters of `cluster` CTAs of K that fit on `device` at once; 0 where none do or on error.
 template <class K>
 int max_active_clusters(int cluster, int device) {
   RelaxedCaptureScope relaxed;  // a query, not stream work: allowed under graph capture
-  if (K::prepare(device) != Status::kSuccess) return 0;
+  if (prepare_kernel<K>(device) != Status::kSuccess) return 0;
   cudaLaunchAttribute attrs[1];
-  const cudaLaunchConfig_t c = K::config(unsigned(cluster), cluster, nullptr, attrs);
+  const cudaLaunchConfig_t c = launch_config<K>(unsigned(cluster), cluster, nullptr, attrs);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, K::kernel, &c) != cudaSuccess) {
     (void)cudaGetLastError();
