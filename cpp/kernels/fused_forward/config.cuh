@@ -80,11 +80,11 @@ struct Config {
 
   // Reduction buffer (fp32): [kTileT rows][kRedStride], this CTA's partial logits; the rows
   // the CTA owns are then overwritten with their sums, then their scores. The +4 padding makes
-  // the one-token-per-thread routing's 16-byte row reads (8 rows per quarter warp) bank-conflict
-  // free; the accumulator's pair stores, once per tile, conflict 2-way.
+  // the few-lanes routing's 16-byte row reads (route_thread.cuh) bank-conflict free; the
+  // accumulator's pair stores, once per tile, conflict 2-way.
   static constexpr int kRedStride = kExperts + 4;
-  // After it, one scratch row per token of a routing pass (64 tokens), or the per-thread group
-  // keys of the one-token-per-thread routing.
+  // After it, one scratch row per token of a warp-routing pass (64 tokens), or the per-token
+  // group keys of the few-lanes routing.
   static constexpr int kScratchRows = 64;
   static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
 
