@@ -11,11 +11,20 @@ bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& args);
 Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, int device,
                             cudaStream_t stream);
 
-// One instantiation per expert count, each in its own translation unit. `split`: cluster size
-// (CTAs sharing a token tile along the hidden dimension), 1, 2, 4, 8 or 16.
+// How the token tiles are launched: tiles [0, tiles) in clusters of `split` CTAs (CTAs
+// sharing a token tile along the hidden dimension: 1, 2, 4, 8 or 16), then, where tail_split
+// is not 0, the remaining tiles in a second launch with clusters of tail_split: a last wave
+// that would leave most SMs idle runs instead as a smaller, wider-split one.
+struct ForwardPlan {
+  int split = 1;
+  int64_t tiles = 0;
+  int tail_split = 0;
+};
+
+// One instantiation per expert count, each in its own translation unit.
 template <int kExperts>
 Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& args, int device,
-                              int split, cudaStream_t stream);
+                              const ForwardPlan& plan, cudaStream_t stream);
 
 // Clusters of `split` CTAs of the E-expert kernel that fit the device at once (0: none).
 // `device` (both functions): the validated device of the call, also the current one.

@@ -47,7 +47,7 @@ int fused_forward_active_clusters(int split, int device) {
 
 template <int kExperts>
 Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int device,
-                              int split, cudaStream_t stream) {
+                              const ForwardPlan& plan, cudaStream_t stream) {
   using K = fused_forward_impl::Kernel<kExperts>;
   using Cfg = typename K::Cfg;
   using Elem = typename K::Elem;
@@ -67,7 +67,13 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
   p.hblocks = int(ceil_div(cfg.hidden_size, Cfg::kTileH));
   p.route = {int(cfg.num_experts_per_tok), int(cfg.n_group), int(cfg.topk_group),
              cfg.routed_scaling_factor, cfg.norm_topk_prob};
-  if (split < 1 || split > Cfg::kMaxSplit || (split & (split - 1)) || split > p.hblocks)
+  const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
+  auto valid = [&](int split) {
+    return split >= 1 && split <= Cfg::kMaxSplit && !(split & (split - 1)) && split <= p.hblocks;
+  };
+  const bool tail = plan.tail_split != 0 && plan.tiles < tiles;
+  if (!valid(plan.split) || plan.tiles < 1 || plan.tiles > tiles ||
+      (tail && !valid(plan.tail_split)) || (!tail && plan.tiles != tiles))
     return Status::kUnsupported;
 
   if (p.counts) {
@@ -75,11 +81,16 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
         s != Status::kSuccess)
       return s;
   }
-  const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
-  cudaLaunchAttribute attrs[2] = {{}, dependent_launch_attribute()};
-  cudaLaunchConfig_t c = launch_config<K>(unsigned(tiles * split), split, stream, attrs);
-  c.numAttrs = 2;
-  return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+  // Tiles [tile0, tile0 + count) in clusters of `split`.
+  auto launch = [&](int64_t tile0, int64_t count, int split) {
+    p.tile0 = int(tile0);
+    cudaLaunchAttribute attrs[2] = {{}, dependent_launch_attribute()};
+    cudaLaunchConfig_t c = launch_config<K>(unsigned(count * split), split, stream, attrs);
+    c.numAttrs = 2;
+    return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+  };
+  if (Status s = launch(0, plan.tiles, plan.split); s != Status::kSuccess || !tail) return s;
+  return launch(plan.tiles, tiles - plan.tiles, plan.tail_split);
 }
 
 }  // namespace moe_routing::detail

@@ -7,7 +7,9 @@
 //                                      CTA (SUM = last), spread over the CTAs of a slice
 //                                      (spread) or in clusters (cluster); the last two need
 //                                      CTAS a multiple of H/128
-//   phase_trace fwd T SPLIT            the forward, clusters of SPLIT CTAs per 128-token tile
+//   phase_trace fwd T SPLIT [TILES TAIL]  the forward, clusters of SPLIT CTAs per 128-token
+//                                      tile; with TILES and TAIL, the first TILES tiles so and
+//                                      the rest in a second launch with clusters of TAIL
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. Phase ids are the MOE_ROUTING_TRACE
 // calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run on a Hopper GPU.
@@ -109,9 +111,14 @@ int main(int argc, char** argv) {
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};
       a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
       const int split = argc > 3 ? atoi(argv[3]) : 1;
-      grid = int((T + 127) / 128 * split);
+      grid = int(argc > 5 ? std::max(atoll(argv[4]) * split, ((T + 127) / 128 - atoll(argv[4])) * atoi(argv[5]))
+                          : (T + 127) / 128 * split);
       if (grid > kMaxCtas) return -1;
-      return int(detail::launch_fused_forward_e<160>(cfg, a, 0, split, st));
+      detail::ForwardPlan pl;
+      pl.split = split;
+      pl.tiles = argc > 5 ? atoll(argv[4]) : (T + 127) / 128;
+      pl.tail_split = argc > 5 ? atoi(argv[5]) : 0;
+      return int(detail::launch_fused_forward_e<160>(cfg, a, 0, pl, st));
     }
   };
   for (int s = 0; s < sets; ++s) {

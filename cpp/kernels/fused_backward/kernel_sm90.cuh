@@ -76,8 +76,10 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
   return old;
 }
 
-// Named barriers (0 is __syncthreads).
-enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2 };
+// Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
+// producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
+enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5 };
+constexpr uint32_t kSpreadBarThreads = 256 + 32;
 
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_constant__ const P p) {
@@ -153,7 +155,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       x_unit.next(tiles);
     };
     // Building G(n) waits for unit n - kStagesG to be released; so is then the x stage of
-    // unit n + kAhead: x is issued kAhead + 1 units before it is consumed.
+    // unit n + kAhead: x is issued kAhead + 1 units before it is consumed. (Filling every x
+    // stage at the start, before the routing loads, delayed those loads and so G: the first
+    // unit started 1.5-2 us later.)
     constexpr int kAhead = kStagesX - kStagesG;
     static_assert(kAhead >= 1, "x must run ahead of G");
     if (thread == 0)
@@ -192,6 +196,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       cluster_wait();
       cluster_arrive_relaxed();
       cluster_wait();
+    }
+    if (p.sum == GradWSum::kSpread && thread < 32) {
+      // The slice's counters, off the consumers' path: once the CTA's partial stores are
+      // issued (barrier), count them (release) and wait until the slice's k partials are all
+      // written (acquire), then let the consumers sum. The last CTA past the wait resets both
+      // counters for the next launch, while the consumers' loads are in flight.
+      const int slice = int(unit0 / tiles), k = p.per_slice;
+      cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsOut);
+      if (thread == 0) {
+        red_release_add(p.tickets + slice);
+        while (ld_acquire(p.tickets + slice) < k) {
+        }
+      }
+      __syncwarp();
+      cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsIn);
+      if (thread == 0 && ticket_acq_rel(p.readers + slice) == k - 1) {
+        p.tickets[slice] = 0;
+        p.readers[slice] = 0;
+      }
     }
     return;
   }
@@ -421,8 +444,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
   // kSpread: the other CTAs' shares of the partial go to global memory (16-byte stores); once
   // the slice's k CTAs have all written theirs (all are resident: the grid is at most one
-  // CTA per SM), each sums its share, its own part from shared memory. The last to finish
-  // reading resets both counters for the next launch.
+  // CTA per SM; the producer's warp 0 keeps the count), each sums its share, its own part
+  // from shared memory.
   auto reduce_grad_w_spread = [&](int slice) {
     const int k = p.per_slice, first = slice * k, rank = cta - first;
     const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
@@ -434,24 +457,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       const int v = ct + 256 * j;
       if (v < own0 || v >= own1) __stcg(mine + v, *red_vec(v));
     }
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // partial stores before the release
+    // The barrier orders the stores before warp 0's release (it synchronizes with its sync).
+    cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsOut);
     MOE_ROUTING_TRACE(ct == 0, 3);
-    if (ct == 0) {
-      red_release_add(p.tickets + slice);
-      while (ld_acquire(p.tickets + slice) < k) {
-      }
-    }
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsIn);
     MOE_ROUTING_TRACE(ct == 0, 6);
     sum_share(slice, k, rank, [&](int r, int v) {
       return r == rank ? *red_vec(v)
                        : __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
     });
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // every read of the partials done
-    if (ct == 0 && ticket_acq_rel(p.readers + slice) == k - 1) {
-      p.tickets[slice] = 0;
-      p.readers[slice] = 0;
-    }
     MOE_ROUTING_TRACE(ct == 0, 7);
   };
   // kCluster: CTA r sums its share over the cluster's staged partials in rank order

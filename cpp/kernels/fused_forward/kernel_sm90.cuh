@@ -1,8 +1,9 @@
 // The fused forward kernel (sm90a): logits = x·wᵀ (bf16 → fp32) and the whole routing in one pass.
 //
-// Grid: kSplit·⌈T/128⌉ CTAs in clusters of kSplit (cluster size 1, 2, 4, 8 or 16, chosen per T by
-// the host so that the grid fills the SMs); the cluster owns one 128-token tile and splits the
-// hidden dimension among its CTAs.
+// Grid: kSplit CTAs per 128-token tile of tiles [tile0, tile0 + grid / kSplit), in clusters of
+// kSplit (cluster size 1, 2, 4, 8 or 16, chosen per T by the host so that the grid fills the
+// SMs; a partly filled last wave may go to a second launch with a larger split); the cluster
+// owns one tile and splits the hidden dimension among its CTAs.
 // Warp roles (three warpgroups, one CTA per SM):
 //   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
 //   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
@@ -51,6 +52,7 @@ struct Params {
   int64_t tokens = 0;
   int hidden = 0;
   int hblocks = 0;  // ⌈H / kTileH⌉ >= cluster size
+  int tile0 = 0;    // token tile of the first cluster
   RouteParams route{};
 };
 
@@ -71,7 +73,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   cg::cluster_group cluster = cg::this_cluster();
   const int split = int(cluster.num_blocks());  // grid.x is a multiple of it (host)
   const int rank = int(cluster.block_rank());
-  const int tile = int(blockIdx.x) / split;
+  const int tile = p.tile0 + int(blockIdx.x) / split;
   const int kb_begin = rank * p.hblocks / split;
   const int kb_end = (rank + 1) * p.hblocks / split;  // non-empty: split <= hblocks
   const int rows = kTileT / split;                    // rows this CTA routes

@@ -78,16 +78,21 @@ struct ThreadRoute {
         group_keys[g * stride] = choice_key(v1 + v2);
       }
       __syncwarp();
+      // Group g is kept where fewer than topk_group groups rank above it (a larger key, or an
+      // equal key and a lower index): independent compares, each lane for its own groups,
+      // the lanes' masks then or-ed together.
       kept = 0;
-      for (int r = 0; r < p.topk_group; ++r) {
-        uint32_t best = 0;
-        int best_g = 0;
-        for (int g = 0; g < p.n_group; ++g) {
-          const uint32_t k = group_keys[g * stride];
-          if (!((kept >> g) & 1u) && k > best) best = k, best_g = g;
+      for (int g = sub; g < p.n_group; g += kLanes) {
+        const uint32_t kg = group_keys[g * stride];
+        int above = 0;
+        for (int h = 0; h < p.n_group; ++h) {
+          const uint32_t kh = group_keys[h * stride];
+          above += kh > kg || (kh == kg && h < g);
         }
-        kept |= 1u << best_g;
+        if (above < p.topk_group) kept |= 1u << g;
       }
+#pragma unroll
+      for (int o = 1; o < kLanes; o <<= 1) kept |= __shfl_xor_sync(0xFFFFFFFFu, kept, o);
     }
 
     // Top-k of the kept groups' experts in this lane's share: a sorted list of kMaxTopK (key,
@@ -111,13 +116,19 @@ struct ThreadRoute {
       idx[0] = gt[0] ? e : idx[0];
     };
     if (p.n_group > 1) {
-      // Only the kept groups: lane sub takes the sub-th, (sub + kLanes)-th, ... of them in
-      // ascending order (the same trip counts for every token of the warp: no divergence).
-      for (int j = sub; j < p.topk_group; j += kLanes) {
-        const int g = nth_set_bit(kept, j);
-        const int e0 = g * per_group;
+      // Only the kept groups' experts, in ascending order, cut into kLanes nearly equal
+      // contiguous shares (as many lanes work as there are, whatever topk_group is).
+      const int total = p.topk_group * per_group;
+      const int p0 = sub * total / kLanes, p1 = (sub + 1) * total / kLanes;
+      int g = nth_set_bit(kept, p0 / per_group), off = p0 % per_group;
 #pragma unroll 4
-        for (int e = e0; e < e0 + per_group; ++e) insert(s[e] + bias[e], e);
+      for (int q = p0; q < p1; ++q) {
+        const int e = g * per_group + off;
+        insert(s[e] + bias[e], e);
+        if (++off == per_group) {  // the next kept group
+          off = 0;
+          g = __ffs(kept & ~((2u << g) - 1u)) - 1;
+        }
       }
     } else {
       // Every expert: lane sub takes a contiguous share, as 16-byte vectors.
