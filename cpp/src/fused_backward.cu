@@ -49,14 +49,19 @@ int active_clusters(int device, int k) {
 // sum about 2.5 units whatever k; the last-CTA sum about 1.7 (partial stores and ticket) plus
 // 1.1 per partial; the spread sum through global memory about 2.8 (T = 4096, k = 3: ~6 µs
 // from the last unit to the end). Where the slices outnumber the SMs, one range per SM
-// (last-CTA sum).
+// (last-CTA sum). Where twice as many 64-column slices fit on the SMs, each CTA may instead
+// take one whole 64-column slice: no partial sums at all, a unit about kUnit64 of a 128-column
+// one.
 BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
+  constexpr double kUnit64 = 0.6;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
   double best_cost = double(tiles);
+  if (2 * slices <= grid && kUnit64 * double(tiles) < best_cost)
+    best = {int(2 * slices), 1, GradWSum::kLastCta, 64}, best_cost = kUnit64 * double(tiles);
   const bool spread = slices <= kMaxCounterSlices;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {
     GradWSum sum = GradWSum::kLastCta;
@@ -91,7 +96,9 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
   switch (cfg.n_routed_experts) {
-    case 160: return launch_fused_backward_e<160, 8>(cfg, a, device, pl, stream);
+    case 160:
+      return pl.tile_h == 64 ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream)
+                             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream);
     default: return Status::kUnsupported;
   }
 }

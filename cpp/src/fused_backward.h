@@ -26,15 +26,17 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, 
 using kernels::fused_backward::GradWSum;
 
 // The persistent grid and how it sums grad_w (schedule.cuh). kSpread and kCluster:
-// ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8).
+// ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8). tile_h: the
+// slice width, 128, or 64 with one CTA per slice (ctas = H / 64, kLastCta, no partials).
 struct BackwardPlan {
   int ctas = 1;
   int per_slice = 1;
   GradWSum sum = GradWSum::kLastCta;
+  int tile_h = 128;
 };
 
-// One instantiation per (expert count, top-k), each in its own translation unit.
-template <int kExperts, int kTopK>
+// One instantiation per (expert count, top-k, slice width), each in its own translation unit.
+template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
                                const BackwardPlan& plan, cudaStream_t stream);
 

@@ -2,7 +2,7 @@
 #include "fused_backward_launch.cuh"
 
 namespace moe_routing::detail {
-template Status launch_fused_backward_e<160, 8>(const RouterConfig&, const BackwardArgs&, int,
-                                                const BackwardPlan&, cudaStream_t);
+template Status launch_fused_backward_e<160, 8, 128>(const RouterConfig&, const BackwardArgs&,
+                                                     int, const BackwardPlan&, cudaStream_t);
 template int fused_backward_active_clusters<160, 8>(int, int);
 }  // namespace moe_routing::detail

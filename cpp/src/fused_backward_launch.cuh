@@ -12,11 +12,11 @@ namespace moe_routing::detail {
 namespace fused_backward_impl {
 
 // TMA descriptors of x and grad_x, both as (H, T) with h contiguous.
-template <int kExperts, int kTopK>
+template <int kExperts, int kTopK, int kTileH>
 auto make_params(const cutlass::bfloat16_t* x, cutlass::bfloat16_t* grad_x, int64_t hidden,
                  int64_t tokens) {
   using namespace cute;
-  using Cfg = kernels::fused_backward::Config<kExperts, kTopK>;
+  using Cfg = kernels::fused_backward::Config<kExperts, kTopK, kTileH>;
   Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(hidden), int(tokens)),
                           make_stride(_1{}, hidden));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
@@ -27,10 +27,10 @@ auto make_params(const cutlass::bfloat16_t* x, cutlass::bfloat16_t* grad_x, int6
   return P{tma_x, tma_gx};
 }
 
-template <int kExperts, int kTopK>
+template <int kExperts, int kTopK, int kTileH>
 struct Kernel {
-  using Cfg = kernels::fused_backward::Config<kExperts, kTopK>;
-  using P = decltype(make_params<kExperts, kTopK>(nullptr, nullptr, 128, 1));
+  using Cfg = kernels::fused_backward::Config<kExperts, kTopK, kTileH>;
+  using P = decltype(make_params<kExperts, kTopK, kTileH>(nullptr, nullptr, 128, 1));
   static constexpr auto kernel = kernels::fused_backward::fused_backward_sm90<Cfg, P>;
   static constexpr bool kLargeClusters = false;  // clusters of at most 8
 };
@@ -39,19 +39,19 @@ struct Kernel {
 
 template <int kExperts, int kTopK>
 int fused_backward_active_clusters(int cluster, int device) {
-  return max_active_clusters<fused_backward_impl::Kernel<kExperts, kTopK>>(cluster, device);
+  return max_active_clusters<fused_backward_impl::Kernel<kExperts, kTopK, 128>>(cluster, device);
 }
 
-template <int kExperts, int kTopK>
+template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
                                const BackwardPlan& plan, cudaStream_t stream) {
-  using K = fused_backward_impl::Kernel<kExperts, kTopK>;
+  using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
   if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
   const int64_t H = cfg.hidden_size, T = a.tokens;
 
-  typename K::P p = fused_backward_impl::make_params<kExperts, kTopK>(
+  typename K::P p = fused_backward_impl::make_params<kExperts, kTopK, kTileH>(
       reinterpret_cast<const Elem*>(a.x.data), reinterpret_cast<Elem*>(a.grad_x.data), H, T);
   p.w = reinterpret_cast<const Elem*>(a.w.data);
   p.topk_idx = a.topk_idx.data;
@@ -71,7 +71,11 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
   p.sched.ctas = plan.ctas;
-  if (p.sched.slices > kMaxCounterSlices) return Status::kUnsupported;
+  if (p.sched.slices > kMaxCounterSlices || plan.tile_h != kTileH || H % kTileH != 0)
+    return Status::kUnsupported;
+  // kTileH = 64: each CTA one whole slice (its warpgroups' partials are added in the CTA).
+  if (Cfg::kSplitT && (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))
+    return Status::kUnsupported;
   if (plan.sum != GradWSum::kLastCta &&
       (plan.per_slice < 2 || plan.per_slice > p.sched.tiles ||
        int64_t(plan.ctas) != int64_t(plan.per_slice) * p.sched.slices ||

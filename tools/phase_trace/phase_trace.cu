@@ -3,10 +3,11 @@
 // inputs (CUDA events, median of 7 rounds) and prints, per phase id, the earliest, median and
 // latest CTA: for the last call of a back-to-back round, and for one call alone.
 //
-//   phase_trace bwd T CTAS SUM         the backward on CTAS CTAs, grad_w summed by the last
+//   phase_trace bwd T CTAS SUM [h64]   the backward on CTAS CTAs, grad_w summed by the last
 //                                      CTA (SUM = last), spread over the CTAs of a slice
 //                                      (spread) or in clusters (cluster); the last two need
-//                                      CTAS a multiple of H/128
+//                                      CTAS a multiple of H/128. h64: 64-column slices, one
+//                                      CTA each (CTAS = H/64, last)
 //   phase_trace fwd T SPLIT [TILES TAIL]  the forward, clusters of SPLIT CTAs per 128-token
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
@@ -105,7 +106,11 @@ int main(int argc, char** argv) {
       pl.per_slice = pl.sum == detail::GradWSum::kLastCta ? 1 : pl.ctas / int(H / 128);
       grid = pl.ctas;
       if (grid > kMaxCtas) return -1;
-      return int(detail::launch_fused_backward_e<160, 8>(cfg, a, 0, pl, st));
+      if (argc > 5 && argv[5][0] == 'h') {  // 64-column slices, one CTA each
+        pl.tile_h = 64;
+        return int(detail::launch_fused_backward_e<160, 8, 64>(cfg, a, 0, pl, st));
+      }
+      return int(detail::launch_fused_backward_e<160, 8, 128>(cfg, a, 0, pl, st));
     } else {
       ForwardArgs a{}; a.tokens = T;
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};

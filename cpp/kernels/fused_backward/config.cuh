@@ -5,13 +5,18 @@
 //   sX  (h, t)  the x tile, by TMA                                     kStagesX deep
 //   sG  (t, e)  the routing gradient G, built by producer threads      kStagesG deep
 // and in registers the slice of w as wᵀ (h, e), loaded once per slice. Two consumer
-// warpgroups, 64 hidden columns each, compute
+// warpgroups compute
 //   dgrad  grad_xᵀ(h, t)  = Σ_e wᵀ(h, e) · G(t, e)    A = wᵀ (registers), B = sG (K-major)
 //   wgrad  grad_wᵀ(h, e) += Σ_t xᵀ(h, t) · G(t, e)    A = sX (MN-major),  B = sGᵀ (MN-major)
+// kTileH = 128: each warpgroup owns 64 hidden columns of both GEMMs. kTileH = 64 (small T:
+// twice the slices, half the work per unit): each warpgroup owns 64 tokens of dgrad and of
+// wgrad's inner dimension, and the two wgrad partials are added at the end of the segment.
 // wgrad reads the same sG tile through a transposed view: the K-major SW64 atom of G, read
 // column-wise, is the MN-major SW64 atom of Gᵀ. With w in registers, shared memory holds a
 // third x stage instead, and the tensor cores read 40 KB less of it per unit.
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -20,12 +25,18 @@ namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
 
-template <int kExperts_, int kTopK_, int kStagesX_ = 3, int kStagesG_ = 2>
+template <int kExperts_, int kTopK_, int kTileH_ = 128, int kStagesX_ = 3, int kStagesG_ = 2>
 struct Config {
   static constexpr int kExperts = kExperts_;
   static constexpr int kTopK = kTopK_;
-  static constexpr int kTileT = 128;  // tokens per unit: dgrad's N
-  static constexpr int kTileH = 128;  // hidden columns per unit: 64 per consumer warpgroup
+  static constexpr int kTileT = 128;      // tokens per unit
+  static constexpr int kTileH = kTileH_;  // hidden columns per unit
+  static_assert(kTileH == 128 || kTileH == 64, "a slice is one or two warpgroups' 64 rows");
+  // The consumer warpgroups split the unit's tokens (kTileH = 64) or its hidden columns.
+  static constexpr bool kSplitT = kTileH == 64;
+  static constexpr int kDgradN = kSplitT ? kTileT / 2 : kTileT;  // dgrad's N per warpgroup
+  // wgrad k-steps (16 tokens) per warpgroup; with kSplitT warpgroup w takes [w, w + 1) · it.
+  static constexpr int kWgradSteps = kSplitT ? kTileT / 32 : kTileT / 16;
   static constexpr int kStagesX = kStagesX_;
   static constexpr int kStagesG = kStagesG_;
   static constexpr int kConsumers = 2;  // consumer warpgroups
@@ -66,23 +77,32 @@ struct Config {
   // warpgroup's 64 hidden columns are one contiguous 64 h × kTileT t box.
   using SmemLayoutGX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                               Shape<TileH, TileT>{}, Step<_2, _1>{}));
-  // (h, t): one warpgroup's half of the staging, the TMA store's box.
+  // (h, t): one warpgroup's half of the staging (64 h × the unit's tokens, or kTileH = 64:
+  // 64 h × 64 tokens), contiguous, the TMA store's box.
+  static constexpr int kBoxH = kSplitT ? kTileH : kTileH / 2;
+  static constexpr int kBoxT = kSplitT ? kTileT / 2 : kTileT;
   using SmemLayoutGXHalf = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                                  Shape<Int<kTileH / 2>, TileT>{}));
+                                                  Shape<Int<kBoxH>, Int<kBoxT>>{}));
   static_assert(cosize_v<SmemLayoutGX> == 2 * cosize_v<SmemLayoutGXHalf>, "two halves");
 
+  // The warpgroups side by side along h (M), or along t (N) with kSplitT.
+  using DgradWarpgroups = std::conditional_t<kSplitT, Layout<Shape<_1, _2, _1>>,
+                                             Layout<Shape<_2, _1, _1>>>;
   using MmaDgrad = decltype(make_tiled_mma(
-      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, TileT, _16>, GMMA::Major::K,
-                                 GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kDgradN>, _16>,
+                                 GMMA::Major::K, GMMA::Major::K>(),
+      DgradWarpgroups{}));
+  // kSplitT: one warpgroup's MMA, the same (h, e) for both, each over its own k-steps.
+  using WgradWarpgroups = std::conditional_t<kSplitT, Layout<Shape<_1, _1, _1>>,
+                                             Layout<Shape<_2, _1, _1>>>;
   using MmaWgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, _16>, GMMA::Major::MN,
                                  GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      WgradWarpgroups{}));
   // One wgmma spans all experts: a narrower one would re-read the x tile once per N block.
   // (CuTe selects N = 160 only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by the build.)
   static_assert(size<1>(typename MmaWgrad::AtomShape_MNK{}) == kExperts, "wgrad: N = E");
-  static_assert(size<1>(typename MmaDgrad::AtomShape_MNK{}) == kTileT, "dgrad: N = kTileT");
+  static_assert(size<1>(typename MmaDgrad::AtomShape_MNK{}) == kDgradN, "dgrad: N");
   // grad_xᵀ accumulator (h, t) → staging with h contiguous: transposing 8×8 matrix stores.
   using CopyGX = Copy_Atom<SM90_U16x8_STSM_T, Elem>;
 
@@ -90,6 +110,7 @@ struct Config {
   // Row stride (floats) of a grad_w partial in shared memory (spread and cluster sums): the
   // accumulator's stores (8 h × 4 e per warp) then hit 32 distinct banks.
   static constexpr int kRedStride = kTileH + 4;
+  static_assert(kRedStride % 32 == 4, "conflict-free accumulator stores");
 
   struct alignas(1024) SharedStorage {
     alignas(1024) Elem x[cosize_v<SmemLayoutX>];

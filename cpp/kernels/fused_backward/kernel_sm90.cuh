@@ -4,15 +4,16 @@
 // Warp roles (three warpgroups):
 //   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
 //              per thread; thread 0 also issues the TMA loads of x, ahead of G.
-//   consumers  warpgroups 1, 2 (64 hidden columns each): dgrad from the register-resident
-//              slice of w into registers → bf16 → transposing stores → TMA store of grad_x;
-//              wgrad accumulated in registers over the segment; grad_x is staged while wgrad
-//              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
+//   consumers  warpgroups 1, 2 (64 hidden columns each; kTileH = 64: 64 tokens of each unit
+//              each): dgrad from the register-resident slice of w into registers → bf16 →
+//              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
+//              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
 // deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
 // partials from global memory; or all k CTAs of the slice each sum a share of them, from
-// global memory (all CTAs resident) or from each other's shared memory (clusters).
+// global memory (all CTAs resident) or from each other's shared memory (clusters). kTileH = 64
+// runs one CTA per slice only: its two warpgroups' partials are added in shared memory.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -229,7 +230,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   typename Cfg::MmaDgrad mma_d;
   typename Cfg::MmaWgrad mma_w;
   auto thr_d = mma_d.get_thread_slice(ct);
-  auto thr_w = mma_w.get_thread_slice(ct);
+  auto thr_w = mma_w.get_thread_slice(Cfg::kSplitT ? ct % 128 : ct);
+  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens.
+  const int wgrad_k0 = Cfg::kSplitT ? wg * Cfg::kWgradSteps : 0;
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
   Tensor mWt = make_tensor(make_gmem_ptr(p.w), make_shape(p.hidden, Int<kExperts>{}),
@@ -256,8 +259,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + wg * cosize_v<typename Cfg::SmemLayoutGXHalf>),
                             typename Cfg::SmemLayoutGXHalf{});  // (h/2, t)
   Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
-  Tensor gGX = local_tile(mGX, Shape<Int<kTileH / 2>, Int<kTileT>>{},
-                          make_coord(_, _));  // (h/2, t, half-slice, tile)
+  Tensor gGX = local_tile(mGX, Shape<Int<Cfg::kBoxH>, Int<Cfg::kBoxT>>{},
+                          make_coord(_, _));  // (box h, box t, h box, t box)
   auto store_part = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGXh),
                                   group_modes<0, 2>(gGX));
   Tensor tSgGX = get<0>(store_part);  // (TMA, half-slice, tile)
@@ -294,8 +297,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     const int xs = n % kStagesX, gs = n % kStagesG;
     warpgroup_fence_operand(acc_w);
     warpgroup_arrive();
+    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT ? 2 : 1) == size<2>(decltype(tWrX){}), "k");
     CUTE_UNROLL
-    for (int k = 0; k < size<2>(tWrX); ++k) gemm(mma_w, tWrX(_, _, k, xs), tWrGt(_, _, k, gs), acc_w);
+    for (int k = 0; k < Cfg::kWgradSteps; ++k)
+      gemm(mma_w, tWrX(_, _, wgrad_k0 + k, xs), tWrGt(_, _, wgrad_k0 + k, gs), acc_w);
     warpgroup_commit_batch();
   };
   // The staging is free once the previous unit's store has read it: checked while this unit's
@@ -312,7 +317,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
     cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
     if (leader) {
-      copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
+      if constexpr (Cfg::kSplitT) copy(p.tma_gx, tSsGX, tSgGX(_, slice, 2 * tile + wg));
+      else copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
       tma_store_arrive();
     }
   };
@@ -483,6 +489,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cluster_wait();    // and they are done reading this one's
   };
 
+  // kSplitT (the host gives each CTA one whole slice): the warpgroups' grad_w of the slice,
+  // each over its half of every unit's tokens, added in a fixed order. Warpgroup 1's goes
+  // through the (now idle) x stages; warpgroup 0 adds it and writes the sum.
+  auto write_grad_w_split_t = [&](int64_t slice) {
+    static_assert(decltype(size(acc_w))::value * 128 * sizeof(float) <= sizeof(smem.x), "fits");
+    const int wt = ct % 128;
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
+    if (wg == 1) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i) red[i * 128 + wt] = acc_w(i);
+    }
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    if (wg == 0) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i) acc_w(i) += red[i * 128 + wt];
+      write_grad_w(slice);
+    }
+  };
+
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
   auto begin_segment = [&](int slice) {
     load_w(slice);
@@ -511,7 +536,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       release_unit(n);
       MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
       const bool segment_ends = n + 1 == count || tile == tiles - 1;
-      if (segment_ends && p.sum == GradWSum::kLastCta) {
+      if constexpr (Cfg::kSplitT) {
+        if (n + 1 == count) write_grad_w_split_t(slice);  // the CTA's one segment: its slice
+      } else if (segment_ends && p.sum == GradWSum::kLastCta) {
         if (seg_first_tile == 0 && tile == tiles - 1) {
           write_grad_w(slice);
         } else {
@@ -530,10 +557,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
-  if (p.sum == GradWSum::kCluster) reduce_grad_w_cluster(int(unit0 / tiles));
-  if (p.sum == GradWSum::kSpread) reduce_grad_w_spread(int(unit0 / tiles));
-  if (reduce0 >= 0) reduce_grad_w(reduce0);
-  if (reduce1 >= 0) reduce_grad_w(reduce1);
+  if constexpr (!Cfg::kSplitT) {
+    if (p.sum == GradWSum::kCluster) reduce_grad_w_cluster(int(unit0 / tiles));
+    if (p.sum == GradWSum::kSpread) reduce_grad_w_spread(int(unit0 / tiles));
+    if (reduce0 >= 0) reduce_grad_w(reduce0);
+    if (reduce1 >= 0) reduce_grad_w(reduce1);
+  }
   MOE_ROUTING_TRACE(ct == 0, 4);
   if (leader) tma_store_wait<0>();
   MOE_ROUTING_TRACE(ct == 0, 5);
