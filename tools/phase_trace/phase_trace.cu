@@ -12,7 +12,8 @@
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
 //
-// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. Phase ids are the MOE_ROUTING_TRACE
+// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. ACCUMULATE set: the backward adds into
+// grad_w. Phase ids are the MOE_ROUTING_TRACE
 // calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run on a Hopper GPU.
 #include <cstdio>
 #include <cstdlib>
@@ -98,6 +99,7 @@ int main(int argc, char** argv) {
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.topk_idx = {idx[s], int64_t(T * K)};
       a.topk_scores = {sc[s], int64_t(T * K)}; a.grad_topk_weights = {gt[s], int64_t(T * K)};
       a.grad_x = {gx[s], int64_t(T * H)}; a.grad_w = {gw[s], int64_t(E * H)}; a.workspace = {ws[s], int64_t(64 << 20)};
+      a.accumulate_grad_w = getenv("ACCUMULATE") != nullptr;  // add into grad_w
       detail::BackwardPlan pl;
       pl.ctas = argc > 3 ? atoi(argv[3]) : int(H / 128);
       const char m = argc > 4 ? argv[4][0] : 'l';

@@ -331,6 +331,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   auto partial = [&](int64_t slice, int c) {
     return p.partials + LinearSchedule::slot(slice, c) * kSlotFloats;  // [E][kTileH]
   };
+
   // Vector v of a slice of grad_w: row e = v / kVecsPerRow.
   auto grad_w_vec = [&](int64_t slice, int v) {
     return reinterpret_cast<float4*>(p.grad_w + (v / kVecsPerRow) * H + slice * kTileH +
@@ -394,8 +395,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                             make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
                                         make_stride(_1{}, H)));  // (h, e)
     Tensor tWgW = thr_w.partition_C(gW);
+    if (!Cfg::kSplitT || !p.accumulate) {
+      // (kTileH = 128 accumulates element by element: reworking it, as below, slowed that
+      // kernel's main loop by 4% at T = 32768 through a different register allocation. It
+      // runs only where one CTA takes a whole 128-column slice: H > 8448 at small T.)
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+      return;
+    }
+    // Accumulating: a batch's loads all issued before its stores (which the compiler may not
+    // reorder across: they could alias), so that a batch costs one round trip, not one per
+    // element.
+    constexpr int kBatch = 16;
+    static_assert(decltype(size(acc_w))::value % kBatch == 0, "whole batches");
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+    for (int i0 = 0; i0 < size(acc_w); i0 += kBatch) {
+      float prev[kBatch];
+      CUTE_UNROLL
+      for (int j = 0; j < kBatch; ++j) prev[j] = tWgW(i0 + j);
+      CUTE_UNROLL
+      for (int j = 0; j < kBatch; ++j) tWgW(i0 + j) = prev[j] + acc_w(i0 + j);
+    }
   };
   // grad_w of a part of a slice, as this CTA's partial of it.
   auto write_partial = [&](int64_t slice) {
