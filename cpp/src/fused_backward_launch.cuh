@@ -83,11 +83,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
     return Status::kUnsupported;
 
   const int cluster = plan.sum == GradWSum::kCluster ? plan.per_slice : 1;
-  cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t c = launch_config<K>(unsigned(plan.ctas), cluster, stream, attrs);
-  attrs[1] = dependent_launch_attribute();
-  c.numAttrs = 2;
-  return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+  return launch_dependent<K>(unsigned(plan.ctas), cluster, stream, p);
 }
 
 }  // namespace moe_routing::detail

@@ -84,10 +84,7 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
   // Tiles [tile0, tile0 + count) in clusters of `split`.
   auto launch = [&](int64_t tile0, int64_t count, int split) {
     p.tile0 = int(tile0);
-    cudaLaunchAttribute attrs[2] = {{}, dependent_launch_attribute()};
-    cudaLaunchConfig_t c = launch_config<K>(unsigned(count * split), split, stream, attrs);
-    c.numAttrs = 2;
-    return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+    return launch_dependent<K>(unsigned(count * split), split, stream, p);
   };
   if (Status s = launch(0, plan.tiles, plan.split); s != Status::kSuccess || !tail) return s;
   return launch(plan.tiles, tiles - plan.tiles, plan.tail_split);

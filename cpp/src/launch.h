@@ -93,6 +93,17 @@ cudaLaunchConfig_t launch_config(unsigned grid, int cluster, cudaStream_t stream
   return c;
 }
 
+// Launches K::kernel(p) as a 1-D grid in clusters of `cluster` CTAs, with programmatic
+// dependent launch (dependent_launch_attribute).
+template <class K, class P>
+Status launch_dependent(unsigned grid, int cluster, cudaStream_t stream, const P& p) {
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t c = launch_config<K>(grid, cluster, stream, attrs);
+  attrs[1] = dependent_launch_attribute();
+  c.numAttrs = 2;
+  return cuda_status(cudaLaunchKernelEx(&c, K::kernel, p));
+}
+
 // Clusters of `cluster` CTAs of K that fit on `device` at once; 0 where none do or on error.
 template <class K>
 int max_active_clusters(int cluster, int device) {
