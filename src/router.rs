@@ -23,7 +23,7 @@ pub enum Precision {
     /// The routing gradient enters the tensor cores as bf16; fp32 accumulation.
     #[default]
     Default,
-    /// fp32-accurate grad_x and grad_w.
+    /// fp32-accurate grad_w; grad_x within its own bf16 output rounding (README: errors).
     Precise,
 }
 

@@ -75,11 +75,17 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
   return best;
 }
 
+Status launch_pass(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                   const BackwardPlan& pl, cudaStream_t stream, bool residual) {
+  return pl.tile_h == 64
+             ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, residual)
+             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, residual);
+}
+
 }  // namespace
 
-bool fused_backward_supported(const RouterConfig& cfg, Precision precision) {
-  return precision == Precision::kDefault && cfg.n_routed_experts == 160 &&
-         cfg.num_experts_per_tok == 8 &&
+bool fused_backward_supported(const RouterConfig& cfg) {
+  return cfg.n_routed_experts == 160 && cfg.num_experts_per_tok == 8 &&
          cfg.hidden_size % kTileH == 0;
 }
 
@@ -91,16 +97,19 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
   return size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
 }
 
+// Precise mode: a second pass adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the first
+// pass's bf16 G left out (each pass sums in its fixed order: still deterministic). grad_x keeps
+// the first pass's: with G in bf16 its error stays within grad_x's own bf16 rounding.
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
+  if (cfg.n_routed_experts != 160 || cfg.num_experts_per_tok != 8) return Status::kUnsupported;
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
-  switch (cfg.n_routed_experts) {
-    case 160:
-      return pl.tile_h == 64 ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream)
-                             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream);
-    default: return Status::kUnsupported;
-  }
+  const Status s = launch_pass(cfg, a, device, pl, stream, false);
+  if (s != Status::kSuccess || a.precision != Precision::kPrecise) return s;
+  BackwardArgs residual = a;
+  residual.accumulate_grad_w = true;
+  return launch_pass(cfg, residual, device, pl, stream, true);
 }
 
 }  // namespace moe_routing::detail

@@ -14,8 +14,9 @@ constexpr int kMaxCounterSlices = int(kTicketBytes / 2 / sizeof(int));
 // Upper bound on the persistent grid (one CTA per SM), for workspace sizing.
 constexpr int kFusedMaxCtas = 160;
 
-// True where the fused kernel handles the shape (others take the simple path).
-bool fused_backward_supported(const RouterConfig& cfg, Precision precision);
+// True where the fused kernel handles the shape (others take the simple path), in either
+// precision.
+bool fused_backward_supported(const RouterConfig& cfg);
 
 // Scratch bytes after the tickets for the fused kernel (grad_w partials).
 size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
@@ -36,9 +37,11 @@ struct BackwardPlan {
 };
 
 // One instantiation per (expert count, top-k, slice width), each in its own translation unit.
+// residual: precise mode's second pass (grad_w += xᵀ · (G - bf16(G)), grad_x not written).
 template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
-                               const BackwardPlan& plan, cudaStream_t stream);
+                               const BackwardPlan& plan, cudaStream_t stream,
+                               bool residual = false);
 
 // Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
 template <int kExperts, int kTopK>

@@ -44,7 +44,7 @@ int fused_backward_active_clusters(int cluster, int device) {
 
 template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                               const BackwardPlan& plan, cudaStream_t stream) {
+                               const BackwardPlan& plan, cudaStream_t stream, bool residual) {
   using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
@@ -66,6 +66,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;
+  p.residual = residual;
   p.sum = plan.sum;
   p.per_slice = plan.per_slice;
   p.sched.tiles = ceil_div(T, Cfg::kTileT);

@@ -27,7 +27,7 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
         cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * sizeof(float), stream));
   }
 
-  if (detail::fused_backward_supported(cfg, a.precision))
+  if (detail::fused_backward_supported(cfg))
     return detail::launch_fused_backward(cfg, a, device, stream);
 
   kernels::BackwardParams p{};

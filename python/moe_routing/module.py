@@ -39,7 +39,7 @@ class GroupedTopKRouter(nn.Module):
             (``x @ weight.T`` in fp32), which its MoE blocks discard. The kernels do not
             materialize them; with False (default) the first output is None, with True they
             are computed as HF does (an extra fp32 matrix product, differentiable).
-        precise_backward: use the fp32-accurate backward path of the kernels.
+        precise_backward: fp32-accurate ``grad_w`` (a second pass over x).
 
     Parameters and buffers are those of HF: ``weight`` [E, H] (Parameter, fp32) and
     ``e_score_correction_bias`` [E] (buffer, fp32), so HF state dicts load as they are.

@@ -169,8 +169,8 @@ def route(
     ``weight`` is bf16, or f32 (then rounded to bf16 for the kernel, and its gradient is the
     kernel's f32 ``grad_w`` as is). Returns ``topk_idx`` [T, K] int32 (best first),
     ``topk_weights`` [T, K] f32 and ``topk_scores`` [T, K] f32 (the sigmoid scores of the chosen
-    experts). Only ``topk_weights`` is differentiable; ``precise_backward`` selects the
-    fp32-accurate backward path.
+    experts). Only ``topk_weights`` is differentiable; ``precise_backward`` makes the
+    backward's ``grad_w`` fp32-accurate (a second pass over x).
     """
     _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     _check_devices(x.device, weight=weight, bias=bias)
@@ -234,7 +234,7 @@ def route_backward(
 
     ``topk_idx`` [T, K] int32 and ``topk_scores`` [T, K] f32 are ``route``'s outputs (rows of
     distinct experts). Returns ``grad_x`` [T, H] bf16 and ``grad_w`` [E, H] f32. ``precise``
-    selects the fp32-accurate path (slower). ``weight`` may be bf16 or f32 (rounded to bf16,
+    makes ``grad_w`` fp32-accurate (a second pass over x: slower). ``weight`` may be bf16 or f32 (rounded to bf16,
     as in the forward).
     """
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,

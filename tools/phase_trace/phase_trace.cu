@@ -108,11 +108,27 @@ int main(int argc, char** argv) {
       pl.per_slice = pl.sum == detail::GradWSum::kLastCta ? 1 : pl.ctas / int(H / 128);
       grid = pl.ctas;
       if (grid > kMaxCtas) return -1;
-      if (argc > 5 && argv[5][0] == 'h') {  // 64-column slices, one CTA each
-        pl.tile_h = 64;
-        return int(detail::launch_fused_backward_e<160, 8, 64>(cfg, a, 0, pl, st));
+      // PASSES: 1 the first pass (default), r the residual pass alone, 2 both (precise mode).
+      const char* passes = getenv("PASSES") ? getenv("PASSES") : "1";
+      const bool h64 = argc > 5 && argv[5][0] == 'h';  // 64-column slices, one CTA each
+      if (h64) pl.tile_h = 64;
+      auto pass = [&](bool residual, const BackwardArgs& args) {
+        return h64 ? detail::launch_fused_backward_e<160, 8, 64>(cfg, args, 0, pl, st, residual)
+                   : detail::launch_fused_backward_e<160, 8, 128>(cfg, args, 0, pl, st, residual);
+      };
+      // Experiments: s residual first, then the first pass accumulating; q a stream sync
+      // between the passes; n the residual pass not accumulating.
+      if (passes[0] == 'r') return int(pass(true, a));
+      BackwardArgs acc = a;
+      acc.accumulate_grad_w = passes[0] != 'n';
+      if (passes[0] == 's') {
+        Status r = pass(true, a);
+        return r != Status::kSuccess ? int(r) : int(pass(false, acc));
       }
-      return int(detail::launch_fused_backward_e<160, 8, 128>(cfg, a, 0, pl, st));
+      Status r = pass(false, a);
+      if (r != Status::kSuccess || passes[0] == '1') return int(r);
+      if (passes[0] == 'q') cudaStreamSynchronize(st);
+      return int(pass(true, acc));
     } else {
       ForwardArgs a{}; a.tokens = T;
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};

@@ -65,7 +65,7 @@
 
 /* Backward precision: the values of moe_routing::Precision. */
 #define MOE_ROUTING_PRECISION_DEFAULT 0 /* routing gradient as bf16 into the tensor cores */
-#define MOE_ROUTING_PRECISION_PRECISE 1 /* fp32-accurate grad_x and grad_w */
+#define MOE_ROUTING_PRECISION_PRECISE 1 /* fp32-accurate grad_w; grad_x to bf16 rounding */
 
 #ifdef __cplusplus
 extern "C" {

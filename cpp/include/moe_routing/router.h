@@ -79,7 +79,7 @@ struct ForwardArgs {
 
 enum class Precision : int32_t {
   kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation
-  kPrecise = 1,  // fp32-accurate grad_x and grad_w
+  kPrecise = 1,  // fp32-accurate grad_w; grad_x within its bf16 output rounding
 };
 
 struct BackwardArgs {

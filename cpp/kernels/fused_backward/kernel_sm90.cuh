@@ -9,6 +9,9 @@
 //              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
 //              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
+// Precise mode runs the kernel twice: as above, then with Params::residual (G's bf16 rounding
+// residual in G, wgrad alone, added into grad_w). One kernel function for both passes: with
+// two, the pair took ~16 us longer at T = 4096 than the passes alone (cold instructions).
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
 // deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
 // partials from global memory; or all k CTAs of the slice each sum a share of them, from
@@ -51,6 +54,8 @@ struct Params {
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
+  // Precise mode's second pass: G is G - bf16(G) (as bf16); wgrad alone, grad_x not stored.
+  bool residual = false;
   GradWSum sum = GradWSum::kLastCta;  // schedule.cuh
   // kSpread, kCluster: CTAs per slice, k >= 2 (sched.ctas = k · sched.slices; kCluster: the
   // cluster size, k <= 8).
@@ -177,7 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     PackedRow<Cfg::kTopK> row{};
     if (count > 0) {
       load_routing();
-      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
+      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, p.residual);
       MOE_ROUTING_TRACE(thread == 0, 8);
     }
     for (int n = 0; n < count; ++n) {
@@ -190,7 +195,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       Barrier::arrive(&smem.g_full[s]);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
-      if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm);
+      if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, p.residual);
     }
     if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
@@ -389,33 +394,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     else sum_vectors(slice, v0, v1, k, Int<per_thread(4)>{}, Int<4>{}, part);
   };
 
-  // grad_w of a segment that is the whole slice, straight to grad_w.
+  // grad_w of a segment that is the whole slice, straight to grad_w (kTileH = 128).
+  // (Accumulating loads and adds element by element, one round trip each: it runs only where
+  // one CTA takes a whole 128-column slice, H > 8448 at small T. Batching the loads, as the
+  // kTileH = 64 kernel once did, changed this kernel's register allocation and slowed its
+  // main loop by 4% at T = 32768.)
   auto write_grad_w = [&](int64_t slice) {
     Tensor gW = make_tensor(make_gmem_ptr(p.grad_w + slice * kTileH),
                             make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
                                         make_stride(_1{}, H)));  // (h, e)
     Tensor tWgW = thr_w.partition_C(gW);
-    if (!Cfg::kSplitT || !p.accumulate) {
-      // (kTileH = 128 accumulates element by element: reworking it, as below, slowed that
-      // kernel's main loop by 4% at T = 32768 through a different register allocation. It
-      // runs only where one CTA takes a whole 128-column slice: H > 8448 at small T.)
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
-      return;
-    }
-    // Accumulating: a batch's loads all issued before its stores (which the compiler may not
-    // reorder across: they could alias), so that a batch costs one round trip, not one per
-    // element.
-    constexpr int kBatch = 16;
-    static_assert(decltype(size(acc_w))::value % kBatch == 0, "whole batches");
     CUTE_UNROLL
-    for (int i0 = 0; i0 < size(acc_w); i0 += kBatch) {
-      float prev[kBatch];
-      CUTE_UNROLL
-      for (int j = 0; j < kBatch; ++j) prev[j] = tWgW(i0 + j);
-      CUTE_UNROLL
-      for (int j = 0; j < kBatch; ++j) tWgW(i0 + j) = prev[j] + acc_w(i0 + j);
-    }
+    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
   };
   // grad_w of a part of a slice, as this CTA's partial of it.
   auto write_partial = [&](int64_t slice) {
@@ -510,22 +500,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
 
   // kSplitT (the host gives each CTA one whole slice): the warpgroups' grad_w of the slice,
-  // each over its half of every unit's tokens, added in a fixed order. Warpgroup 1's goes
-  // through the (now idle) x stages; warpgroup 0 adds it and writes the sum.
+  // each over its half of every unit's tokens, staged as [E][kRedStride] (warpgroup 0's in the
+  // idle G stages, 1's in the x stages), then summed in that order (after grad_w itself when
+  // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
+  // flight at once.
   auto write_grad_w_split_t = [&](int64_t slice) {
-    static_assert(decltype(size(acc_w))::value * 128 * sizeof(float) <= sizeof(smem.x), "fits");
-    const int wt = ct % 128;
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
-    if (wg == 1) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i) red[i * 128 + wt] = acc_w(i);
-    }
+    static_assert(!Cfg::kSplitT || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
+                  "partial fits");
+    float* red0 = reinterpret_cast<float*>(smem.g);
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX, sG
+    float* mine = wg == 0 ? red0 : red;
+    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
+    Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_w); ++i)
+      mine[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    if (wg == 0) {
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i) acc_w(i) += red[i * 128 + wt];
-      write_grad_w(slice);
-    }
+    auto part = [&](int r, int v) {
+      const float* base = r == 0 ? red0 : red;
+      return *reinterpret_cast<const float4*>(base + (v / kVecsPerRow) * kRedStride +
+                                              v % kVecsPerRow * 4);
+    };
+    // In two halves: fewer registers live (more made ptxas spill in the main loop).
+    constexpr int kHalf = kSliceVecs / 2;
+    static_assert(kHalf % 256 == 0, "whole vectors per thread");
+    sum_vectors(slice, 0, kHalf, 2, Int<kHalf / 256>{}, Int<1>{}, part);
+    sum_vectors(slice, kHalf, kSliceVecs, 2, Int<kHalf / 256>{}, Int<1>{}, part);
   };
 
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
@@ -545,12 +545,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       unit.next(tiles);
       wait_unit(n);
       MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-      issue_dgrad(n);
-      issue_wgrad(n);
-      staging_free();
-      warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
-      warpgroup_fence_operand(acc_d);
-      store_grad_x(slice, tile);
+      if (p.residual) {  // precise mode's second pass: grad_x is the first pass's
+        issue_wgrad(n);
+      } else {
+        issue_dgrad(n);
+        issue_wgrad(n);
+        staging_free();
+        warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
+        warpgroup_fence_operand(acc_d);
+        store_grad_x(slice, tile);
+      }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit(n);

@@ -68,11 +68,14 @@ struct PackedRow {
   uint32_t valid;             // bit k: expert k is stored
 };
 
-// The routing gradients of one token: scaling, normalization and sigmoid gradients.
-// Indices outside [0, E) contribute nothing.
+// The routing gradients of one token: scaling, normalization and sigmoid gradients, rounded
+// to bf16; `residual`: what that rounding leaves out, G - bf16(G) (exact in fp32), rounded to
+// bf16, so that bf16(G) + residual is G to ~2^-18 of it. Indices outside [0, E) contribute
+// nothing.
 template <int kExperts, int kTopK>
 __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(const TokenRouting<kTopK>& in,
-                                                                  float scale, bool norm) {
+                                                                  float scale, bool norm,
+                                                                  bool residual) {
   PackedRow<kTopK> out{};
   if (!in.valid) return out;
   const float* s = reinterpret_cast<const float*>(in.score);
@@ -93,6 +96,7 @@ __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(const TokenRou
     for (int j = 0; j < 2; ++j) {
       const float grad_s = norm ? a * (g[k + j] - b) : scale * g[k + j];
       v[j] = grad_s * s[k + j] * (1.0f - s[k + j]);
+      if (residual) v[j] -= __bfloat162float(__float2bfloat16_rn(v[j]));
     }
     const __nv_bfloat162 pair = __floats2bfloat162_rn(v[0], v[1]);
     out.grads[k / 2] = *reinterpret_cast<const uint32_t*>(&pair);
