@@ -234,8 +234,8 @@ def route_backward(
 
     ``topk_idx`` [T, K] int32 and ``topk_scores`` [T, K] f32 are ``route``'s outputs (rows of
     distinct experts). Returns ``grad_x`` [T, H] bf16 and ``grad_w`` [E, H] f32. ``precise``
-    makes ``grad_w`` fp32-accurate (a second pass over x: slower). ``weight`` may be bf16 or f32 (rounded to bf16,
-    as in the forward).
+    makes ``grad_w`` fp32-accurate (a second pass over x: slower). ``weight`` may be bf16 or
+    f32 (rounded to bf16, as in the forward).
     """
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
                     routed_scaling_factor)
