@@ -75,11 +75,11 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
   return best;
 }
 
-Status launch_pass(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                   const BackwardPlan& pl, cudaStream_t stream, bool residual) {
+Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                     const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
   return pl.tile_h == 64
-             ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, residual)
-             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, residual);
+             ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, passes)
+             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, passes);
 }
 
 }  // namespace
@@ -97,19 +97,24 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
   return size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
 }
 
-// Precise mode: a second pass adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the first
-// pass's bf16 G left out (each pass sums in its fixed order: still deterministic). grad_x keeps
-// the first pass's: with G in bf16 its error stays within grad_x's own bf16 rounding.
+// Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the first
+// sweep's bf16 G left out (in a fixed order: still deterministic), in the same launch where
+// each CTA has one segment, else as a second launch that adds into grad_w. grad_x keeps the
+// first sweep's: with G in bf16 its error stays within grad_x's own bf16 rounding.
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
   if (cfg.n_routed_experts != 160 || cfg.num_experts_per_tok != 8) return Status::kUnsupported;
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
-  const Status s = launch_pass(cfg, a, device, pl, stream, false);
-  if (s != Status::kSuccess || a.precision != Precision::kPrecise) return s;
+  using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
+  if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
+  if (pl.one_segment_per_cta(slices))
+    return launch_passes(cfg, a, device, pl, stream, kPassG | kPassResidual);
+  const Status s = launch_passes(cfg, a, device, pl, stream, kPassG);
+  if (s != Status::kSuccess) return s;
   BackwardArgs residual = a;
   residual.accumulate_grad_w = true;
-  return launch_pass(cfg, residual, device, pl, stream, true);
+  return launch_passes(cfg, residual, device, pl, stream, kPassResidual);
 }
 
 }  // namespace moe_routing::detail

@@ -34,14 +34,19 @@ struct BackwardPlan {
   int per_slice = 1;
   GradWSum sum = GradWSum::kLastCta;
   int tile_h = 128;
+  // Every CTA's units lie in one slice (k CTAs per slice, or one per slice).
+  bool one_segment_per_cta(int64_t slices) const {
+    return tile_h == 64 || sum != GradWSum::kLastCta || ctas == slices;
+  }
 };
 
 // One instantiation per (expert count, top-k, slice width), each in its own translation unit.
-// residual: precise mode's second pass (grad_w += xᵀ · (G - bf16(G)), grad_x not written).
+// passes: the kernel's sweeps (kernel_sm90.cuh: kPassG, kPassResidual, or both, which needs one
+// segment per CTA: BackwardPlan::one_segment_per_cta).
 template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
                                const BackwardPlan& plan, cudaStream_t stream,
-                               bool residual = false);
+                               uint32_t passes = 1);
 
 // Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
 template <int kExperts, int kTopK>

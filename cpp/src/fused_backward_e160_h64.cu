@@ -3,5 +3,5 @@
 
 namespace moe_routing::detail {
 template Status launch_fused_backward_e<160, 8, 64>(const RouterConfig&, const BackwardArgs&,
-                                                    int, const BackwardPlan&, cudaStream_t, bool);
+                                                    int, const BackwardPlan&, cudaStream_t, uint32_t);
 }  // namespace moe_routing::detail

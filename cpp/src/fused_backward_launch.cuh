@@ -44,7 +44,7 @@ int fused_backward_active_clusters(int cluster, int device) {
 
 template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                               const BackwardPlan& plan, cudaStream_t stream, bool residual) {
+                               const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
   using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
@@ -66,13 +66,14 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;
-  p.residual = residual;
+  p.passes = passes;
   p.sum = plan.sum;
   p.per_slice = plan.per_slice;
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
   p.sched.ctas = plan.ctas;
-  if (p.sched.slices > kMaxCounterSlices || plan.tile_h != kTileH || H % kTileH != 0)
+  if (p.sched.slices > kMaxCounterSlices || plan.tile_h != kTileH || H % kTileH != 0 ||
+      passes == 0 || passes > 3 || (passes == 3 && !plan.one_segment_per_cta(p.sched.slices)))
     return Status::kUnsupported;
   // kTileH = 64: each CTA one whole slice (its warpgroups' partials are added in the CTA).
   if (Cfg::kSplitT && (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))

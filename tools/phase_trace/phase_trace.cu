@@ -108,27 +108,22 @@ int main(int argc, char** argv) {
       pl.per_slice = pl.sum == detail::GradWSum::kLastCta ? 1 : pl.ctas / int(H / 128);
       grid = pl.ctas;
       if (grid > kMaxCtas) return -1;
-      // PASSES: 1 the first pass (default), r the residual pass alone, 2 both (precise mode).
+      // PASSES: 1 the default sweep, r the residual sweep alone, 2 both in one launch (precise
+      // mode), l both as two launches.
       const char* passes = getenv("PASSES") ? getenv("PASSES") : "1";
       const bool h64 = argc > 5 && argv[5][0] == 'h';  // 64-column slices, one CTA each
       if (h64) pl.tile_h = 64;
-      auto pass = [&](bool residual, const BackwardArgs& args) {
-        return h64 ? detail::launch_fused_backward_e<160, 8, 64>(cfg, args, 0, pl, st, residual)
-                   : detail::launch_fused_backward_e<160, 8, 128>(cfg, args, 0, pl, st, residual);
+      auto pass = [&](uint32_t sweeps, const BackwardArgs& args) {
+        return h64 ? detail::launch_fused_backward_e<160, 8, 64>(cfg, args, 0, pl, st, sweeps)
+                   : detail::launch_fused_backward_e<160, 8, 128>(cfg, args, 0, pl, st, sweeps);
       };
-      // Experiments: s residual first, then the first pass accumulating; q a stream sync
-      // between the passes; n the residual pass not accumulating.
-      if (passes[0] == 'r') return int(pass(true, a));
+      if (passes[0] == 'r') return int(pass(2, a));
+      if (passes[0] == '2') return int(pass(3, a));
+      Status r = pass(1, a);
+      if (r != Status::kSuccess || passes[0] != 'l') return int(r);
       BackwardArgs acc = a;
-      acc.accumulate_grad_w = passes[0] != 'n';
-      if (passes[0] == 's') {
-        Status r = pass(true, a);
-        return r != Status::kSuccess ? int(r) : int(pass(false, acc));
-      }
-      Status r = pass(false, a);
-      if (r != Status::kSuccess || passes[0] == '1') return int(r);
-      if (passes[0] == 'q') cudaStreamSynchronize(st);
-      return int(pass(true, acc));
+      acc.accumulate_grad_w = true;
+      return int(pass(2, acc));
     } else {
       ForwardArgs a{}; a.tokens = T;
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};

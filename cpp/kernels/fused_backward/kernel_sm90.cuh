@@ -9,9 +9,11 @@
 //              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
 //              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
-// Precise mode runs the kernel twice: as above, then with Params::residual (G's bf16 rounding
-// residual in G, wgrad alone, added into grad_w). One kernel function for both passes: with
-// two, the pair took ~16 us longer at T = 4096 than the passes alone (cold instructions).
+// Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
+// wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA would have
+// several segments the host launches the two sweeps separately, the second adding into grad_w;
+// one kernel function for both: with two, the pair took ~16 us longer at T = 4096 than the
+// passes alone (cold instructions).
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
 // deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
 // partials from global memory; or all k CTAs of the slice each sum a share of them, from
@@ -54,8 +56,9 @@ struct Params {
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
-  // Precise mode's second pass: G is G - bf16(G) (as bf16); wgrad alone, grad_x not stored.
-  bool residual = false;
+  // Sweeps over the CTA's units (kPassG, kPassResidual; both: the second sweep starts over,
+  // and the host gives each CTA one segment).
+  uint32_t passes = kPassG;
   GradWSum sum = GradWSum::kLastCta;  // schedule.cuh
   // kSpread, kCluster: CTAs per slice, k >= 2 (sched.ctas = k · sched.slices; kCluster: the
   // cluster size, k <= 8).
@@ -104,6 +107,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   const LinearSchedule sched = p.sched;
   const int64_t unit0 = sched.begin(cta);
   const int count = int(sched.begin(cta + 1) - unit0);
+  // Units of every sweep in order: n = 0 ... total - 1, unit n % count. With both sweeps the
+  // residual's comes first: its small products then build up in accumulators of their own
+  // size. (Added after G's, into accumulators ~2^9 larger, they lost enough bits in the
+  // tensor cores' accumulation to leave grad_w 1.1e-5 off at T = 20000, 3e-6 the other way.)
+  const bool g_pass = (p.passes & kPassG) != 0, res_pass = (p.passes & kPassResidual) != 0;
+  const int total = count * (int(g_pass) + int(res_pass));
+  auto residual_at = [&](int n) { return res_pass && (!g_pass || n < count); };
   const int tiles = int(sched.tiles);  // < 2^31 / kTileT
 
   Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
@@ -154,6 +164,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     Tensor tXsX = get<1>(load_part);  // (TMA, stage)
     UnitCursor x_unit(unit0, tiles);  // unit of the next x load
     auto load_x = [&](int n) {  // thread 0, units in order
+      if (n == count) x_unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int s = n % kStagesX;
       Barrier::wait(&smem.x_empty[s], ((n / kStagesX) & 1) ^ 1);
       FullBarrier::arrive_and_expect_tx(&smem.x_full[s], Cfg::kXBytes);
@@ -167,35 +178,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     constexpr int kAhead = kStagesX - kStagesG;
     static_assert(kAhead >= 1, "x must run ahead of G");
     if (thread == 0)
-      for (int n = 0; n < kAhead && n < count; ++n) load_x(n);
+      for (int n = 0; n < kAhead && n < total; ++n) load_x(n);
     const uint32_t g_stages = cute::cast_smem_ptr_to_uint(smem.g);
     constexpr uint32_t kGStageBytes = kTileT * kExperts * 2;
     // Routing inputs are loaded a unit ahead and packed at the end of the previous iteration:
     // their latency hides behind a whole build, and only the packed row stays live.
     TokenRouting<Cfg::kTopK> loaded;
     UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
-    auto load_routing = [&] {  // units in order
+    auto load_routing = [&](int n) {  // units in order
+      if (n == count) g_unit = UnitCursor(unit0, tiles);
       loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
                   int64_t(g_unit.tile) * kTileT + thread, p.tokens);
       g_unit.next(tiles);
     };
     PackedRow<Cfg::kTopK> row{};
     if (count > 0) {
-      load_routing();
-      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, p.residual);
+      load_routing(0);
+      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, residual_at(0));
       MOE_ROUTING_TRACE(thread == 0, 8);
     }
-    for (int n = 0; n < count; ++n) {
+    for (int n = 0; n < total; ++n) {
       const int s = n % kStagesG;
-      if (n + 1 < count) load_routing();
+      if (n + 1 < total) load_routing(n + 1);
       Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
-      if (thread == 0 && n + kAhead < count) load_x(n + kAhead);
+      if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
       store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
                                      smem.set_experts[s][thread], row);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       Barrier::arrive(&smem.g_full[s]);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
-      if (n + 1 < count) row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, p.residual);
+      if (n + 1 < total)
+        row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, residual_at(n + 1));
     }
     if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
@@ -540,12 +553,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
-    for (int n = 0; n < count; ++n) {
+    for (int n = 0; n < total; ++n) {
+      if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
       unit.next(tiles);
       wait_unit(n);
       MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-      if (p.residual) {  // precise mode's second pass: grad_x is the first pass's
+      if (residual_at(n)) {  // G's residual: grad_x comes from G
         issue_wgrad(n);
       } else {
         issue_dgrad(n);
@@ -559,9 +573,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       warpgroup_fence_operand(acc_w);
       release_unit(n);
       MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
-      const bool segment_ends = n + 1 == count || tile == tiles - 1;
+      // (Two sweeps: one segment, which ends with the second.)
+      const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if constexpr (Cfg::kSplitT) {
-        if (n + 1 == count) write_grad_w_split_t(slice);  // the CTA's one segment: its slice
+        if (n + 1 == total) write_grad_w_split_t(slice);  // the CTA's one segment: its slice
       } else if (segment_ends && p.sum == GradWSum::kLastCta) {
         if (seg_first_tile == 0 && tile == tiles - 1) {
           write_grad_w(slice);
@@ -573,7 +588,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           }
         }
         MOE_ROUTING_TRACE(ct == 0, 3);
-        if (n + 1 < count) {
+        if (n + 1 < total) {
           seg_first_tile = 0;
           begin_segment(slice + 1);
         }

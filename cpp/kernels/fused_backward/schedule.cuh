@@ -44,6 +44,12 @@ struct LinearSchedule {
 //             each CTA's shared memory, read through distributed shared memory.
 enum class GradWSum : int { kLastCta = 0, kSpread = 1, kCluster = 2 };
 
+// Sweeps of the kernel over its units (both: the residual's first). kPassG: G as bf16, dgrad
+// and wgrad, grad_x stored.
+// kPassResidual (precise mode): G - bf16(G) as bf16 (exact in fp32 before the rounding), wgrad
+// alone, so that grad_w gets the part of G that the bf16 G leaves out; grad_x is not stored.
+enum : uint32_t { kPassG = 1, kPassResidual = 2 };
+
 // Walks a CTA's units in order as (slice, tile): one division where it starts, none per unit
 // (64-bit divisions and their registers stay out of the loops).
 struct UnitCursor {
