@@ -97,10 +97,10 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
   return size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
 }
 
-// Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the first
-// sweep's bf16 G left out (in a fixed order: still deterministic), in the same launch where
-// each CTA has one segment, else as a second launch that adds into grad_w. grad_x keeps the
-// first sweep's: with G in bf16 its error stays within grad_x's own bf16 rounding.
+// Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16
+// G leaves out (in a fixed order: still deterministic): in the same launch where each CTA has
+// one segment (the residual's sweep first), else as a second launch that adds into grad_w.
+// grad_x is the G sweep's: with G in bf16 its error stays within grad_x's own bf16 rounding.
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
   if (cfg.n_routed_experts != 160 || cfg.num_experts_per_tok != 8) return Status::kUnsupported;

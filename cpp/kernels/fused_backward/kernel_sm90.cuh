@@ -10,10 +10,10 @@
 //              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
 //              ptxas serialize every wgmma: it cannot track the groups across that loop.)
 // Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
-// wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA would have
-// several segments the host launches the two sweeps separately, the second adding into grad_w;
-// one kernel function for both: with two, the pair took ~16 us longer at T = 4096 than the
-// passes alone (cold instructions).
+// wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA
+// would have several segments the host launches the two sweeps separately, the second adding
+// into grad_w; one kernel function for both: with two, the pair took ~16 us longer at
+// T = 4096 than the passes alone (cold instructions).
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
 // deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
 // partials from global memory; or all k CTAs of the slice each sum a share of them, from
@@ -56,8 +56,8 @@ struct Params {
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
-  // Sweeps over the CTA's units (kPassG, kPassResidual; both: the second sweep starts over,
-  // and the host gives each CTA one segment).
+  // Sweeps over the CTA's units (kPassG, kPassResidual; both: the residual's first, then G's
+  // over the same units again, and the host gives each CTA one segment).
   uint32_t passes = kPassG;
   GradWSum sum = GradWSum::kLastCta;  // schedule.cuh
   // kSpread, kCluster: CTAs per slice, k >= 2 (sched.ctas = k · sched.slices; kCluster: the
