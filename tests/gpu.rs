@@ -476,7 +476,8 @@ fn backward_small_shapes(s: &Arc<CudaStream>) {
 // the last CTA of a slice sum it; H = 10240, T = 256 (one CTA per 128-column slice) needs no
 // sum, and H = 5120, T = 512 takes 64-column slices, one CTA each, which add their two
 // warpgroups' partials. Each is checked against the reference and for bitwise-equal repeats,
-// in both precisions (precise mode runs the kernel twice, the second pass accumulating).
+// in both precisions (precise mode: two sweeps in one launch, or at H = 20480, where a CTA's
+// units span slices, two launches, the second accumulating).
 fn backward_grad_w_sums(s: &Arc<CudaStream>) {
     for (i, (hidden_size, tokens)) in [
         (1024, 1024),

@@ -103,7 +103,7 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
 // grad_x is the G sweep's: with G in bf16 its error stays within grad_x's own bf16 rounding.
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
-  if (cfg.n_routed_experts != 160 || cfg.num_experts_per_tok != 8) return Status::kUnsupported;
+  if (!fused_backward_supported(cfg)) return Status::kUnsupported;
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;

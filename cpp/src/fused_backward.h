@@ -46,7 +46,7 @@ struct BackwardPlan {
 template <int kExperts, int kTopK, int kTileH>
 Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args, int device,
                                const BackwardPlan& plan, cudaStream_t stream,
-                               uint32_t passes = 1);
+                               uint32_t passes = kernels::fused_backward::kPassG);
 
 // Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
 template <int kExperts, int kTopK>

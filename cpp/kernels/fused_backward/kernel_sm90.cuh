@@ -460,16 +460,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   constexpr int kRedStride = Cfg::kRedStride;
   static_assert(kExperts * kRedStride * sizeof(float) <= sizeof(smem.x), "partial fits");
   float* red = reinterpret_cast<float*>(smem.x);
-  auto red_vec = [&](int v) {  // vector v of the staged partial
-    return reinterpret_cast<float4*>(red + (v / kVecsPerRow) * kRedStride + v % kVecsPerRow * 4);
+  auto staged_vec = [&](float* staged, int v) {  // vector v of a partial staged at `staged`
+    return reinterpret_cast<float4*>(staged + (v / kVecsPerRow) * kRedStride +
+                                     v % kVecsPerRow * 4);
   };
-  auto stage_partial = [&] {
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
+  auto red_vec = [&](int v) { return staged_vec(red, v); };
+  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages.
+  auto stage_acc_w = [&](float* staged) {
     Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
     Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i)
-      red[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+      staged[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+  };
+  auto stage_partial = [&] {
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
+    stage_acc_w(red);
   };
   // kSpread: the other CTAs' shares of the partial go to global memory (16-byte stores); once
   // the slice's k CTAs have all written theirs (all are resident: the grid is at most one
@@ -522,18 +528,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                   "partial fits");
     float* red0 = reinterpret_cast<float*>(smem.g);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX, sG
-    float* mine = wg == 0 ? red0 : red;
-    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
-    Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i)
-      mine[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+    stage_acc_w(wg == 0 ? red0 : red);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    auto part = [&](int r, int v) {
-      const float* base = r == 0 ? red0 : red;
-      return *reinterpret_cast<const float4*>(base + (v / kVecsPerRow) * kRedStride +
-                                              v % kVecsPerRow * 4);
-    };
+    auto part = [&](int r, int v) { return *staged_vec(r == 0 ? red0 : red, v); };
     // In two halves: fewer registers live (more made ptxas spill in the main loop).
     constexpr int kHalf = kSliceVecs / 2;
     static_assert(kHalf % 256 == 0, "whole vectors per thread");
