@@ -29,6 +29,13 @@ __device__ __forceinline__ uint64_t merge_key(uint32_t key, int idx) {
   return (uint64_t(key) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(idx));
 }
 
+// The choice score of a key (its inverse): 0 for "nothing" (the +0.0 of an empty slot), NaN
+// for 1.
+__device__ __forceinline__ float key_value(uint32_t key) {
+  if (key <= 1u) return key == 0u ? 0.0f : __uint_as_float(0x7FC00000u);
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
 // Position of the n-th (from 0) set bit of mask, which has more than n.
 __device__ __forceinline__ int nth_set_bit(uint32_t mask, int n) {
   for (int i = 0; i < n; ++i) mask &= mask - 1;
@@ -62,20 +69,17 @@ struct ThreadRoute {
     uint32_t kept = 1u;
     if (p.n_group > 1) {
       for (int g = sub; g < p.n_group; g += kLanes) {
+        // The two largest keys, with multiplicity (equal keys are equal values): unsigned
+        // min/max only.
         uint32_t k1 = 0, k2 = 0;
-        float v1 = 0.0f, v2 = 0.0f;
         const int e0 = g * per_group;
 #pragma unroll 4  // loads of several members in flight
         for (int e = e0; e < e0 + per_group; ++e) {
-          const float c = s[e] + bias[e];
-          const uint32_t k = choice_key(c);
-          const bool first = k > k1, second = k > k2;
-          k2 = first ? k1 : second ? k : k2;
-          v2 = first ? v1 : second ? c : v2;
-          k1 = first ? k : k1;
-          v1 = first ? c : v1;
+          const uint32_t k = choice_key(s[e] + bias[e]);
+          k2 = umax(k2, umin(k1, k));
+          k1 = umax(k1, k);
         }
-        group_keys[g * stride] = choice_key(v1 + v2);
+        group_keys[g * stride] = choice_key(key_value(k1) + key_value(k2));
       }
       __syncwarp();
       // Group g is kept where fewer than topk_group groups rank above it (a larger key, or an
