@@ -12,10 +12,11 @@
 //   each consumer stores its partial logits (all kTileT rows) into its own CTA's buffer
 //   cluster sync 2  every partial is in place
 //   the owner of rows [r·128/kSplit, (r+1)·128/kSplit) (rank r) reads those rows from every
-//   CTA of the cluster (16-byte distributed-shared-memory loads, all in flight at once), sums
-//   them in rank order (the same bits every run) over its own copy of the rows, which no other
-//   CTA reads, and routes them. top_k <= 8: scores first (from the accumulators where there is
-//   no split), then 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token,
+//   CTA of the cluster (16-byte distributed-shared-memory loads, all of a thread's in flight at
+//   once: split_sum.cuh), sums them in rank order (the same bits every run) over its own copy
+//   of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores (from the
+//   accumulators where there is no split, else from the sums), then 2 to 16 lanes per token
+//   (route_thread.cuh). top_k > 8: 8 lanes per token,
 //   32 token slots over the 8 consumer warps, two tokens per slot and pass where the CTA has
 //   more than 32 rows (route.cuh). A CTA leaves only once every CTA is done reading its buffer
 //   (arrive / wait).
@@ -34,6 +35,7 @@
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
 #include "kernels/fused_forward/route_thread.cuh"
+#include "kernels/fused_forward/split_sum.cuh"
 
 namespace moe_routing::kernels::fused_forward {
 
@@ -111,9 +113,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int ct = threadIdx.x - 128;  // 0..255
+  // The bias for the few-lanes routing, one expert per thread: loaded now, its latency hidden
+  // behind the main loop, stored after it (the barrier after the split sum orders the store
+  // before the routing's reads).
+  static_assert(kExperts <= 128 * Cfg::kConsumers, "one expert's bias per consumer thread");
+  const float bias_e = ct < kExperts ? p.bias[ct] : 0.0f;
   typename Cfg::Mma mma;
   Tensor acc = partition_fragment_C(mma, Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
   consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
+  if (ct < kExperts) smem.bias[ct] = bias_e;
   MOE_ROUTING_TRACE(ct == 0, 3);
 
   cluster.sync();  // 1: every CTA of the cluster is done with its pipeline buffers
@@ -148,24 +156,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   cluster.sync();  // 2: every partial is in place
   MOE_ROUTING_TRACE(ct == 0, 5);
 
-  // This CTA's rows, summed over the cluster in rank order into its own copy of them.
+  // This CTA's rows, summed over the cluster in rank order into its own copy of them; for the
+  // few-lanes routing, as scores (and to the optional full-scores output).
   const int row0_local = rank * rows;
-  if (split > 1) {
-    constexpr int kVecsPerRow = kExperts / 4;
-    const uint32_t base = cute::cast_smem_ptr_to_uint(red + row0_local * kStride);
-    for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
-      const uint32_t offset = uint32_t((v / kVecsPerRow * kStride + v % kVecsPerRow * 4) * 4);
-      float4 part[Cfg::kMaxSplit];
-      CUTE_UNROLL
-      for (int s = 0; s < Cfg::kMaxSplit; ++s)
-        if (s < split) part[s] = ld_dsmem_f32x4(map_dsmem(base + offset, s));
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      CUTE_UNROLL
-      for (int s = 0; s < Cfg::kMaxSplit; ++s)
-        if (s < split)
-          sum.x += part[s].x, sum.y += part[s].y, sum.z += part[s].z, sum.w += part[s].w;
-      *reinterpret_cast<float4*>(red + row0_local * kStride + offset / 4) = sum;
-    }
+  const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
+  auto sum_split = [&](auto split_c) {
+    constexpr int kSplit = decltype(split_c)::value;
+    split_sum<kSplit, kTileT, kExperts, kStride, 128 * Cfg::kConsumers>(
+        red, row0_local, ct, thread_route, p.scores, row0, p.tokens);
+  };
+  static_assert(Cfg::kMaxSplit == 16, "cluster sizes 2, 4, 8, 16");
+  switch (split) {
+    case 2: sum_split(Int<2>{}); break;
+    case 4: sum_split(Int<4>{}); break;
+    case 8: sum_split(Int<8>{}); break;
+    case 16: sum_split(Int<16>{}); break;
+    default: break;  // 1: the accumulators were the sums
   }
   cluster_arrive();  // 3: done reading the other CTAs' buffers (waited for before leaving)
   cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);  // sums → routing
@@ -173,31 +179,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
 
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
                      p.counts ? smem.counts : nullptr};
-  const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
   if (thread_route) {
-    // Scores in place of the logits where not done yet (and to the optional full-scores
-    // output), the bias to shared memory; then a few lanes per token (route_thread.cuh).
+    // The scores are in place (from the accumulators or the split sum, bias loaded before the
+    // main loop, both before the barrier above); without a split, the optional full-scores
+    // output from them. Then a few lanes per token (route_thread.cuh).
     float* own = red + row0_local * kStride;
-    constexpr int kVecsPerRow = kExperts / 4;
-#pragma unroll 4  // loads of several vectors in flight, their exponentials interleaved
-    for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
-      if (scores_now && !p.scores) break;
-      const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
-      float4* at = reinterpret_cast<float4*>(own + r * kStride + c);
-      float4 sv = *at;
-      if (!scores_now) {
-        sv = make_float4(sigmoid(0.0f + sv.x), sigmoid(0.0f + sv.y), sigmoid(0.0f + sv.z),
-                         sigmoid(0.0f + sv.w));
-        *at = sv;
-      }
-      const int64_t t = row0 + r;
-      if (p.scores && t < p.tokens) {
-        float* dst = p.scores + t * kExperts + c;
-        dst[0] = sv.x, dst[1] = sv.y, dst[2] = sv.z, dst[3] = sv.w;
+    if (split == 1 && p.scores) {
+      constexpr int kVecsPerRow = kExperts / 4;
+      for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
+        const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
+        const float4 sv = *reinterpret_cast<const float4*>(own + r * kStride + c);
+        const int64_t t = row0 + r;
+        if (t < p.tokens) {
+          float* dst = p.scores + t * kExperts + c;
+          dst[0] = sv.x, dst[1] = sv.y, dst[2] = sv.z, dst[3] = sv.w;
+        }
       }
     }
-    for (int e = ct; e < kExperts; e += 128 * Cfg::kConsumers) smem.bias[e] = p.bias[e];
-    cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);
     MOE_ROUTING_TRACE(ct == 0, 9);
     static_assert(ThreadRoute::kMaxGroups * kTileT <= Cfg::kScratchRows * kStride, "group keys");
     // As many lanes per token as the 256 consumer threads allow (whole warps: rows >= 8).
