@@ -72,8 +72,11 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
   p.sched.ctas = plan.ctas;
+  using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
+  constexpr uint32_t kBoth = kPassG | kPassResidual;
   if (p.sched.slices > kMaxCounterSlices || plan.tile_h != kTileH || H % kTileH != 0 ||
-      passes == 0 || passes > 3 || (passes == 3 && !plan.one_segment_per_cta(p.sched.slices)))
+      passes == 0 || (passes & ~kBoth) != 0 ||
+      (passes == kBoth && !plan.one_segment_per_cta(p.sched.slices)))
     return Status::kUnsupported;
   // kTileH = 64: each CTA one whole slice (its warpgroups' partials are added in the CTA).
   if (Cfg::kSplitT && (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))

@@ -117,13 +117,14 @@ int main(int argc, char** argv) {
         return h64 ? detail::launch_fused_backward_e<160, 8, 64>(cfg, args, 0, pl, st, sweeps)
                    : detail::launch_fused_backward_e<160, 8, 128>(cfg, args, 0, pl, st, sweeps);
       };
-      if (passes[0] == 'r') return int(pass(2, a));
-      if (passes[0] == '2') return int(pass(3, a));
-      Status r = pass(1, a);
+      using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
+      if (passes[0] == 'r') return int(pass(kPassResidual, a));
+      if (passes[0] == '2') return int(pass(kPassG | kPassResidual, a));
+      Status r = pass(kPassG, a);
       if (r != Status::kSuccess || passes[0] != 'l') return int(r);
       BackwardArgs acc = a;
       acc.accumulate_grad_w = true;
-      return int(pass(2, acc));
+      return int(pass(kPassResidual, acc));
     } else {
       ForwardArgs a{}; a.tokens = T;
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};
