@@ -7,6 +7,6 @@ cache=${MOE_ROUTING_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/moe-routing}
 nvcc=${NVCC:-$(ls -d "$cache"/cuda-toolchain-*/nvidia/cu13/bin/nvcc | head -1)}
 cutlass=${CUTLASS_INCLUDE:-$(ls -d "$cache"/cutlass-*/cutlass_library/source/include | head -1)}
 "$nvcc" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG --expt-relaxed-constexpr \
-  -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -I "$root/cpp/include" -I "$root/cpp" -I "$root/cpp/src" \
+  -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED ${EXTRA_FLAGS:-} -I "$root/cpp/include" -I "$root/cpp" -I "$root/cpp/src" \
   -I "$cutlass" "$root/tools/phase_trace/phase_trace.cu" -o "$root/tools/phase_trace/phase_trace" \
   -cudart static -L "$(dirname "$nvcc")/../lib" -ldl -lpthread -lrt

@@ -8,7 +8,8 @@
 //   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
 //   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
 // Then, with no global traffic:
-//   cluster sync 1  every CTA is past its main loop: pipeline smem may be overwritten
+//   barrier 1       the CTA's consumers are past the main loop: its pipeline smem may be
+//                   overwritten (CTA-local: no CTA waits for the cluster's slowest main loop)
 //   each consumer stores its partial logits (all kTileT rows) into its own CTA's buffer
 //   cluster sync 2  every partial is in place
 //   the owner of rows [r·128/kSplit, (r+1)·128/kSplit) (rank r) reads those rows from every
@@ -103,7 +104,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0)
       produce<Cfg>(smem, p.tma_x, p.tma_w, p.tokens, p.hidden, tile, kb_begin, kb_end);
-    cluster.sync();  // 1: this CTA's loads were all consumed
     cluster.sync();  // 2: partials in place; the producer has nothing more to do
     cluster_arrive_relaxed();  // 3: (nothing read from other CTAs)
     cluster_wait();
@@ -113,9 +113,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int ct = threadIdx.x - 128;  // 0..255
-  // The bias for the few-lanes routing, one expert per thread: loaded now, its latency hidden
-  // behind the main loop, stored after it (the barrier after the split sum orders the store
-  // before the routing's reads).
+  // The bias for the routing, one expert per thread: loaded now, its latency hidden behind the
+  // main loop, stored to shared memory after it (barrier 1 orders the store before the
+  // routing's reads).
   static_assert(kExperts <= 128 * Cfg::kConsumers, "one expert's bias per consumer thread");
   const float bias_e = ct < kExperts ? p.bias[ct] : 0.0f;
   typename Cfg::Mma mma;
@@ -124,7 +124,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   if (ct < kExperts) smem.bias[ct] = bias_e;
   MOE_ROUTING_TRACE(ct == 0, 3);
 
-  cluster.sync();  // 1: every CTA of the cluster is done with its pipeline buffers
+  // 1: both consumer warpgroups are done with the pipeline buffers (every TMA load has landed
+  // and been read), so the partials may overwrite them. CTA-local: no other CTA writes this
+  // CTA's shared memory before barrier 2, so each CTA stores its partial without waiting for
+  // the slowest main loop of the cluster.
+  cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);
   MOE_ROUTING_TRACE(ct == 0, 4);
 
   // Partial logits → this CTA's buffer, rows as in the tile, by coordinate: no assumption on
@@ -220,7 +224,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     const int sub = lane % kRouteWidth;
     float bias[Route::kPer];
     CUTE_UNROLL
-    for (int i = 0; i < Route::kPer; ++i) bias[i] = p.bias[sub + kRouteWidth * i];
+    for (int i = 0; i < Route::kPer; ++i) bias[i] = smem.bias[sub + kRouteWidth * i];
     int gid[Route::kPer];
     Route::groups(p.route, gid);
     constexpr int kSlots = Cfg::kConsumers * 4 * (32 / kRouteWidth);  // token slots: 32
