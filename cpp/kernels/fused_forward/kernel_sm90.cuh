@@ -1,9 +1,9 @@
 // The fused forward kernel (sm90a): logits = x·wᵀ (bf16 → fp32) and the whole routing in one pass.
 //
 // Grid: kSplit CTAs per 128-token tile of tiles [tile0, tile0 + grid / kSplit), in clusters of
-// kSplit (cluster size 1, 2, 4, 8 or 16, chosen per T by the host so that the grid fills the
-// SMs; a partly filled last wave may go to a second launch with a larger split); the cluster
-// owns one tile and splits the hidden dimension among its CTAs.
+// kSplit (cluster size 1, 2, 3, 4, 6, 8 or 16, chosen per T by the host so that the grid fills
+// the SMs; a partly filled last wave may go to a second launch with a larger split); the
+// cluster owns one tile and splits the hidden dimension among its CTAs.
 // Warp roles (three warpgroups, one CTA per SM):
 //   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
 //   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
@@ -12,7 +12,7 @@
 //                   overwritten (CTA-local: no CTA waits for the cluster's slowest main loop)
 //   each consumer stores its partial logits (all kTileT rows) into its own CTA's buffer
 //   cluster sync 2  every partial is in place
-//   the owner of rows [r·128/kSplit, (r+1)·128/kSplit) (rank r) reads those rows from every
+//   the owner of rows [⌊r·128/kSplit⌋, ⌊(r+1)·128/kSplit⌋) (rank r) reads those rows from every
 //   CTA of the cluster (16-byte distributed-shared-memory loads, all of a thread's in flight at
 //   once: split_sum.cuh), sums them in rank order (the same bits every run) over its own copy
 //   of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores (from the
@@ -79,7 +79,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   const int tile = p.tile0 + int(blockIdx.x) / split;
   const int kb_begin = rank * p.hblocks / split;
   const int kb_end = (rank + 1) * p.hblocks / split;  // non-empty: split <= hblocks
-  const int rows = kTileT / split;                    // rows this CTA routes
+  // Rows this CTA routes: [row0_local, row0_local + rows), kTileT / split of them (±1 where the
+  // cluster size does not divide kTileT).
+  const int row0_local = rank * kTileT / split;
+  const int rows = (rank + 1) * kTileT / split - row0_local;
   const int warpgroup = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -162,17 +165,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
 
   // This CTA's rows, summed over the cluster in rank order into its own copy of them; for the
   // few-lanes routing, as scores (and to the optional full-scores output).
-  const int row0_local = rank * rows;
-  const int64_t row0 = int64_t(tile) * kTileT + int64_t(rank) * rows;
+  const int64_t row0 = int64_t(tile) * kTileT + row0_local;
   auto sum_split = [&](auto split_c) {
     constexpr int kSplit = decltype(split_c)::value;
     split_sum<kSplit, kTileT, kExperts, kStride, 128 * Cfg::kConsumers>(
-        red, row0_local, ct, thread_route, p.scores, row0, p.tokens);
+        red, row0_local, rows, ct, thread_route, p.scores, row0, p.tokens);
   };
-  static_assert(Cfg::kMaxSplit == 16, "cluster sizes 2, 4, 8, 16");
+  static_assert(Cfg::kMaxSplit == 16, "cluster sizes 2, 3, 4, 6, 8, 16");
   switch (split) {
     case 2: sum_split(Int<2>{}); break;
+    case 3: sum_split(Int<3>{}); break;
     case 4: sum_split(Int<4>{}); break;
+    case 6: sum_split(Int<6>{}); break;
     case 8: sum_split(Int<8>{}); break;
     case 16: sum_split(Int<16>{}); break;
     default: break;  // 1: the accumulators were the sums
@@ -202,22 +206,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     }
     MOE_ROUTING_TRACE(ct == 0, 9);
     static_assert(ThreadRoute::kMaxGroups * kTileT <= Cfg::kScratchRows * kStride, "group keys");
-    // As many lanes per token as the 256 consumer threads allow (whole warps: rows >= 8).
-    auto route = [&](auto lanes) {
+    // As many lanes per token as the 256 consumer threads allow (a power of two). Whole warps
+    // take part (the lanes of a token shuffle with full masks): where the cluster size does not
+    // divide kTileT (kUneven: 3 or 6 CTAs, 21 to 43 rows), the last warp's spare lane groups
+    // route a copy of the last row, with group keys of their own and no outputs.
+    auto route = [&](auto lanes, auto uneven) {
       constexpr int kLanes = decltype(lanes)::value;
+      constexpr bool kUneven = decltype(uneven)::value;
       const int r = ct / kLanes;
-      if (r < rows) {
+      if (kUneven ? (r & ~(32 / kLanes - 1)) < rows : r < rows) {
+        const int row = kUneven && r >= rows ? rows - 1 : r;
         uint32_t* group_keys = reinterpret_cast<uint32_t*>(red + kTileT * kStride) + r;
-        ThreadRoute::template run<kLanes>(own + r * kStride, smem.bias, group_keys, kTileT,
-                                          p.route, out, row0 + r, row0 + r < p.tokens,
+        ThreadRoute::template run<kLanes>(own + row * kStride, smem.bias, group_keys, kTileT,
+                                          p.route, out, row0 + r,
+                                          (!kUneven || r < rows) && row0 + r < p.tokens,
                                           ct % kLanes);
       }
     };
+    constexpr int kMaxLanes = ThreadRoute::kMaxLanes;
     const int lanes = (128 * Cfg::kConsumers) / rows;
-    if (lanes >= 16 && ThreadRoute::kMaxLanes >= 16) route(Int<cute::min(16, ThreadRoute::kMaxLanes)>{});
-    else if (lanes >= 8 && ThreadRoute::kMaxLanes >= 8) route(Int<cute::min(8, ThreadRoute::kMaxLanes)>{});
-    else if (lanes >= 4 && ThreadRoute::kMaxLanes >= 4) route(Int<cute::min(4, ThreadRoute::kMaxLanes)>{});
-    else route(Int<cute::min(2, ThreadRoute::kMaxLanes)>{});
+    if (kTileT % split != 0) {
+      if (lanes >= 8 && kMaxLanes >= 8) route(Int<cute::min(8, kMaxLanes)>{}, cute::true_type{});
+      else route(Int<cute::min(4, kMaxLanes)>{}, cute::true_type{});
+    } else if (lanes >= 16 && kMaxLanes >= 16) {
+      route(Int<cute::min(16, kMaxLanes)>{}, cute::false_type{});
+    } else if (lanes >= 8 && kMaxLanes >= 8) {
+      route(Int<cute::min(8, kMaxLanes)>{}, cute::false_type{});
+    } else if (lanes >= 4 && kMaxLanes >= 4) {
+      route(Int<cute::min(4, kMaxLanes)>{}, cute::false_type{});
+    } else {
+      route(Int<cute::min(2, kMaxLanes)>{}, cute::false_type{});
+    }
   } else {
     const int warp = ct / 32, lane = ct % 32;
     const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass

@@ -2,7 +2,8 @@
 // logits through distributed shared memory.
 //
 // Each partial is a [kTileT][kRedStride] fp32 buffer in its CTA's shared memory; the owner of
-// rows [row0, row0 + kTileT / kSplit) reads those rows from every CTA of the cluster. The
+// rows [row0, row0 + rows) (rank r: [r·kTileT / kSplit, (r + 1)·kTileT / kSplit)) reads those
+// rows from every CTA of the cluster. The
 // network's latency, not its bandwidth, bounds this: every load of a thread is issued before
 // the first sum (v6 issued one vector's kSplit loads at a time, 2 to 10 round trips per thread).
 #pragma once
@@ -15,19 +16,23 @@
 
 namespace moe_routing::kernels::fused_forward {
 
-// Consumer thread `ct` of kThreads: sums vectors ct, ct + kThreads, ... of the owned rows over
-// the kSplit partials in rank order, from zero (the same bits every run), into this CTA's
-// copy of the rows. `as_scores`: stores sigmoid of the sums instead (and, where `scores` is
-// not null, writes them to the [T, E] scores output for tokens below `tokens`; `token0` is the
-// first owned row's token).
+// Consumer thread `ct` of kThreads: sums vectors ct, ct + kThreads, ... of the `rows` owned
+// rows (at most ⌈kTileT / kSplit⌉) over the kSplit partials in rank order, from zero (the same
+// bits every run), into this CTA's copy of the rows. `as_scores`: stores sigmoid of the sums
+// instead (and, where `scores` is not null, writes them to the [T, E] scores output for
+// tokens below `tokens`; `token0` is the first owned row's token).
 template <int kSplit, int kTileT, int kExperts, int kStride, int kThreads>
-__device__ __forceinline__ void split_sum(float* red, int row0, int ct, bool as_scores,
+__device__ __forceinline__ void split_sum(float* red, int row0, int rows, int ct, bool as_scores,
                                           float* scores, int64_t token0, int64_t tokens) {
-  constexpr int kRows = kTileT / kSplit;
+  constexpr int kMaxRows = (kTileT + kSplit - 1) / kSplit;
   constexpr int kVecsPerRow = kExperts / 4;
-  constexpr int kVecs = kRows * kVecsPerRow;
-  constexpr int kPerThread = (kVecs + kThreads - 1) / kThreads;
-  static_assert(kPerThread * kSplit <= 32, "loads in flight per thread (4 registers each)");
+  constexpr int kMaxVecs = kMaxRows * kVecsPerRow;
+  constexpr int kPerThread = (kMaxVecs + kThreads - 1) / kThreads;
+  static_assert(kPerThread * kSplit <= 36, "loads in flight per thread (4 registers each)");
+  // Where kSplit divides kTileT every rank owns kMaxRows rows: the bounds are compile-time.
+  constexpr bool kEven = kTileT % kSplit == 0;
+  const int vecs = kEven ? kMaxVecs : rows * kVecsPerRow;
+  auto in_range = [&](int v) { return (kEven && kMaxVecs % kThreads == 0) || v < vecs; };
   float* own = red + row0 * kStride;
   const uint32_t base = cute::cast_smem_ptr_to_uint(own);
   uint32_t rank_base[kSplit];
@@ -38,7 +43,7 @@ __device__ __forceinline__ void split_sum(float* red, int row0, int ct, bool as_
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int v = ct + i * kThreads;
-    if (kVecs % kThreads == 0 || v < kVecs) {
+    if (in_range(v)) {
       const uint32_t offset = uint32_t((v / kVecsPerRow * kStride + v % kVecsPerRow * 4) * 4);
 #pragma unroll
       for (int s = 0; s < kSplit; ++s) part[i][s] = ld_dsmem_f32x4(rank_base[s] + offset);
@@ -47,7 +52,7 @@ __device__ __forceinline__ void split_sum(float* red, int row0, int ct, bool as_
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int v = ct + i * kThreads;
-    if (kVecs % kThreads == 0 || v < kVecs) {
+    if (in_range(v)) {
       const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
