@@ -1299,13 +1299,16 @@ fn forward_optional_outputs(s: &Arc<CudaStream>) {
         routed_scaling_factor: 1.5,
         norm_topk_prob: true,
     };
-    // The fused forward writes the full scores from its split sum (clusters of 2 to 16) and,
-    // without a split, from the scores in shared memory; the tokens pick each (H200 plan).
+    // The fused forward writes the full scores from its split sum (clusters of 2 to 16, rows
+    // per CTA uneven for 3 and 6) and, without a split, from the scores in shared memory; the
+    // tokens pick each (H200 plan).
     for (cfg, tokens) in [
-        (RouterConfig::glm45(8, 4), 3001), // clusters of 4
-        (RouterConfig::glm45(4, 2), 6000), // clusters of 2
-        (RouterConfig::glm45(8, 4), 1000), // clusters of 8
-        (RouterConfig::glm45(1, 1), 5),    // clusters of 16
+        (RouterConfig::glm45(8, 4), 3001),  // clusters of 4
+        (RouterConfig::glm45(4, 2), 6000),  // clusters of 2
+        (RouterConfig::glm45(1, 1), 4096),  // clusters of 3
+        (RouterConfig::glm45(8, 4), 2048),  // clusters of 6
+        (RouterConfig::glm45(8, 4), 1000),  // clusters of 8
+        (RouterConfig::glm45(1, 1), 5),     // clusters of 16
         (RouterConfig::glm45(1, 1), 16384), // no split
         (small, 129),
     ] {

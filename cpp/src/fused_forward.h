@@ -13,8 +13,8 @@ Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, in
 
 // How the token tiles are launched: tiles [0, tiles) in clusters of `split` CTAs (CTAs
 // sharing a token tile along the hidden dimension: 1, 2, 3, 4, 6, 8 or 16), then, where
-// tail_split is not 0, the remaining tiles in a second launch with clusters of tail_split: a last wave
-// that would leave most SMs idle runs instead as a smaller, wider-split one.
+// tail_split is not 0, the remaining tiles in a second launch with clusters of tail_split: a
+// last wave that would leave most SMs idle runs instead as a smaller, wider-split one.
 struct ForwardPlan {
   int split = 1;
   int64_t tiles = 0;

@@ -2,10 +2,9 @@
 // logits through distributed shared memory.
 //
 // Each partial is a [kTileT][kRedStride] fp32 buffer in its CTA's shared memory; the owner of
-// rows [row0, row0 + rows) (rank r: [r·kTileT / kSplit, (r + 1)·kTileT / kSplit)) reads those
-// rows from every CTA of the cluster. The
-// network's latency, not its bandwidth, bounds this: every load of a thread is issued before
-// the first sum (v6 issued one vector's kSplit loads at a time, 2 to 10 round trips per thread).
+// rows [row0, row0 + rows) (rank r: [⌊r·kTileT / kSplit⌋, ⌊(r + 1)·kTileT / kSplit⌋)) reads
+// those rows from every CTA of the cluster. Every load of a thread is issued before the first
+// sum (v6 issued one vector's kSplit loads at a time, 2 to 10 round trips per thread).
 #pragma once
 
 #include <cstdint>
