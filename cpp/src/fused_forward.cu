@@ -3,16 +3,17 @@
 #include <cstdint>
 
 #include "fused_forward.h"
+#include "kernels/fused_forward/cluster_sizes.h"
 #include "launch.h"
 
 namespace moe_routing::detail {
 namespace {
 
 constexpr int64_t kTileT = 128, kTileH = 64;
-// The kernel's split_sum instantiations. (Clusters of 5: the occupancy query allowed 24 of
-// them, but 24 tiles in clusters of 5 ran as two waves on an H200, 33.9 us against 19.3 us in
+// The kernel's split_sum instantiations. (Not 5: the occupancy query allowed 24 clusters of 5,
+// but 24 tiles in clusters of 5 ran as two waves on an H200, 33.9 us against 19.3 us in
 // clusters of 4.)
-constexpr int kSplits[] = {1, 2, 3, 4, 6, 8, 16};
+constexpr const auto& kSplits = kernels::fused_forward::kClusterSizes;
 constexpr int kNumSplits = int(sizeof(kSplits) / sizeof(kSplits[0]));
 // Per-wave cost that does not shrink with the split (pipeline fill, reduction, routing), in
 // hidden blocks of 64 (one block ~0.47 us). Fitted on an H200 (H = 5120, E = 160, one wave

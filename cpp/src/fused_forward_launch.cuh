@@ -69,9 +69,7 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
              cfg.routed_scaling_factor, cfg.norm_topk_prob};
   const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
   auto valid = [&](int split) {
-    const bool instantiated = (split >= 1 && split <= 4) || split == 6 || split == 8 ||
-                              split == Cfg::kMaxSplit;  // split_sum's cluster sizes
-    return instantiated && split <= p.hblocks;
+    return kernels::fused_forward::is_cluster_size(split) && split <= p.hblocks;
   };
   const bool tail = plan.tail_split != 0 && plan.tiles < tiles;
   if (!valid(plan.split) || plan.tiles < 1 || plan.tiles > tiles ||

@@ -32,6 +32,7 @@
 #include "kernels/cluster.cuh"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/trace.cuh"
+#include "kernels/fused_forward/cluster_sizes.h"
 #include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
@@ -171,7 +172,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     split_sum<kSplit, kTileT, kExperts, kStride, 128 * Cfg::kConsumers>(
         red, row0_local, rows, ct, thread_route, p.scores, row0, p.tokens);
   };
-  static_assert(Cfg::kMaxSplit == 16, "cluster sizes 2, 3, 4, 6, 8, 16");
+  // One case per entry of kClusterSizes (cluster_sizes.h) but 1.
+  static_assert(is_cluster_size(Cfg::kMaxSplit), "the largest cluster is instantiated");
   switch (split) {
     case 2: sum_split(Int<2>{}); break;
     case 3: sum_split(Int<3>{}); break;
