@@ -12,11 +12,14 @@
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
 //
-// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4. ACCUMULATE set: the backward adds into
-// grad_w. Phase ids are the MOE_ROUTING_TRACE
-// calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run on a Hopper GPU.
+// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (GROUPS=n,k: n groups, the best k kept).
+// ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
+// MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
+// on a Hopper GPU.
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 #include <algorithm>
 #include <cstdint>
@@ -67,6 +70,17 @@ static void dump_trace(int nctas, const char* label) {
     std::sort(v.begin(), v.end());
     printf("  %2d: %8.2f %8.2f %8.2f [%zu]\n", id, v.front(), v[v.size() / 2], v.back(), v.size());
   }
+  if (const char* ids = getenv("TRACE_CTAS")) {  // e.g. "1,2,3,6,7": those ids of every CTA
+    std::vector<int> want;
+    for (const char* c = ids; *c;) { want.push_back(atoi(c)); while (*c && *c != ',') ++c; if (*c) ++c; }
+    for (int c = 0; c < nctas; ++c) {
+      printf("  cta %4d:", c);
+      int last = -1;
+      for (int id = 16; id < 64; ++id) if (tr[c * 64 + id]) last = id;  // units: 16 + n
+      for (int id : want) printf(" %8.2f", tr[c * 64 + id] ? (tr[c * 64 + id] - t0) * 1e-3 : -1.0);
+      printf("  last unit %d at %8.2f\n", last - 16, last >= 0 ? (tr[c * 64 + last] - t0) * 1e-3 : -1.0);
+    }
+  }
 }
 
 int main(int argc, char** argv) {
@@ -75,7 +89,10 @@ int main(int argc, char** argv) {
   const int64_t T = atoll(argv[2]);
   const int64_t H = 5120; const int E = 160, K = 8;
   RouterConfig cfg{}; cfg.hidden_size = H; cfg.n_routed_experts = E; cfg.num_experts_per_tok = K;
-  cfg.n_group = 8; cfg.topk_group = 4; cfg.routed_scaling_factor = 2.5f; cfg.norm_topk_prob = true;
+  const char* groups = getenv("GROUPS");  // "n,k": n groups, the best k kept
+  cfg.n_group = groups ? atoi(groups) : 8;
+  cfg.topk_group = groups && strchr(groups, ',') ? atoi(strchr(groups, ',') + 1) : 4;
+  cfg.routed_scaling_factor = 2.5f; cfg.norm_topk_prob = true;
   const size_t set_bytes = bwd ? size_t(4 * T * H + 6 * E * H + 12 * T * K) : size_t(2 * T * H + 12 * T * K);
   const int sets = int(std::min<size_t>(12, std::max<size_t>(2, (100u << 20) / set_bytes + 1)));
   cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));

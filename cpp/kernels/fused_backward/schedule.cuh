@@ -38,8 +38,12 @@ struct LinearSchedule {
 //   kLastCta  each CTA writes its partial to global memory and takes a ticket; the slice's
 //             last contributor sums them all. Any schedule.
 //   kSpread   ctas = k · slices; each CTA writes its partial, waits until the slice's k
-//             partials are written, then sums 1/k of the slice over them. Needs all CTAs
-//             resident at once: the host uses it only for a grid of at most one CTA per SM.
+//             partials are written, then sums 1/k of the slice over them. Needs a slice's
+//             k CTAs resident together: the host uses it only for a grid of at most one CTA
+//             per SM. A slice's CTAs are consecutive, so a partition with fewer SMs (MPS,
+//             green contexts) still finishes where CTAs start in order, as they did on an
+//             H200 with twice as many CTAs as SMs (BENCHMARKS.md); CUDA does not promise
+//             that order, and a cooperative launch, which does, cost 2.5-3 us per call.
 //   kCluster  ctas = k · slices, launched in clusters of k: as kSpread, with the partials in
 //             each CTA's shared memory, read through distributed shared memory.
 enum class GradWSum : int { kLastCta = 0, kSpread = 1, kCluster = 2 };
