@@ -12,7 +12,8 @@
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
 //
-// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (GROUPS=n,k: n groups, the best k kept).
+// Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
+// kept).
 // ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
@@ -89,7 +90,7 @@ int main(int argc, char** argv) {
   const int64_t T = atoll(argv[2]);
   const int64_t H = 5120; const int E = 160, K = 8;
   RouterConfig cfg{}; cfg.hidden_size = H; cfg.n_routed_experts = E; cfg.num_experts_per_tok = K;
-  const char* groups = getenv("GROUPS");  // "n,k": n groups, the best k kept
+  const char* groups = getenv("ROUTER_GROUPS");  // "n,k": n groups, the best k kept
   cfg.n_group = groups ? atoi(groups) : 8;
   cfg.topk_group = groups && strchr(groups, ',') ? atoi(strchr(groups, ',') + 1) : 4;
   cfg.routed_scaling_factor = 2.5f; cfg.norm_topk_prob = true;
