@@ -44,7 +44,8 @@ int active_clusters(int device, int k) {
 // a slice sum its grad_w in the cheapest way the device allows (GradWSum): spread over the k
 // CTAs, through shared memory where they fit as clusters (k <= 8), else through global
 // memory. The spread sum has CTAs wait for each other: the grid is at most one CTA per SM
-// (the kernel's shared memory allows no more), so all are resident once the SMs are free.
+// (the kernel's shared memory allows no more), so all are resident once the SMs are free
+// (and a slice's k CTAs are consecutive: see schedule.cuh for smaller SM partitions).
 // Costs in units of one unit's time (about 2 µs), measured on an H200 at T = 512: the cluster
 // sum about 2.5 units whatever k; the last-CTA sum about 1.7 (partial stores and ticket) plus
 // 1.1 per partial; the spread sum through global memory about 2.8 (T = 4096, k = 3: ~6 µs
