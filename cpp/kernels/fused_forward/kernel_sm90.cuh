@@ -24,6 +24,8 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <utility>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -61,6 +63,19 @@ struct Params {
 };
 
 enum : uint32_t { kBarConsumers = 1 };  // named barrier (0 is __syncthreads)
+
+// Calls f(Int<split>) where split is an entry of kClusterSizes (cluster_sizes.h): every listed
+// cluster size has its instantiation, and no other.
+template <class F, size_t... I>
+__device__ __forceinline__ void with_cluster_size(int split, F&& f, std::index_sequence<I...>) {
+  (void)((split == Int<kClusterSizes[I]>::value ? (f(Int<kClusterSizes[I]>{}), true) : false) ||
+         ...);
+}
+template <class F>
+__device__ __forceinline__ void with_cluster_size(int split, F&& f) {
+  constexpr size_t kCount = sizeof(kClusterSizes) / sizeof(kClusterSizes[0]);
+  with_cluster_size(split, f, std::make_index_sequence<kCount>{});
+}
 
 constexpr int kRouteWidth = 8;  // lanes per token in the routing epilogue
 
@@ -172,17 +187,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     split_sum<kSplit, kTileT, kExperts, kStride, 128 * Cfg::kConsumers>(
         red, row0_local, rows, ct, thread_route, p.scores, row0, p.tokens);
   };
-  // One case per entry of kClusterSizes (cluster_sizes.h) but 1.
   static_assert(is_cluster_size(Cfg::kMaxSplit), "the largest cluster is instantiated");
-  switch (split) {
-    case 2: sum_split(Int<2>{}); break;
-    case 3: sum_split(Int<3>{}); break;
-    case 4: sum_split(Int<4>{}); break;
-    case 6: sum_split(Int<6>{}); break;
-    case 8: sum_split(Int<8>{}); break;
-    case 16: sum_split(Int<16>{}); break;
-    default: break;  // 1: the accumulators were the sums
-  }
+  with_cluster_size(split, [&](auto k) {
+    if constexpr (decltype(k)::value > 1) sum_split(k);  // 1: the accumulators were the sums
+  });
   cluster_arrive();  // 3: done reading the other CTAs' buffers (waited for before leaving)
   cutlass::arch::NamedBarrier::sync(128 * Cfg::kConsumers, kBarConsumers);  // sums → routing
   MOE_ROUTING_TRACE(ct == 0, 6);
