@@ -29,6 +29,7 @@ fn main() {
         ("forward_small_shapes", forward_small_shapes),
         ("forward_fused_shapes", forward_fused_shapes),
         ("forward_ties_and_nan", forward_ties_and_nan),
+        ("forward_near_ties_exact", forward_near_ties_exact),
         ("forward_optional_outputs", forward_optional_outputs),
         ("forward_is_deterministic", forward_is_deterministic),
         ("round_trip", round_trip),
@@ -1285,6 +1286,109 @@ fn forward_ties_and_nan(s: &Arc<CudaStream>) {
             );
         }
     }
+}
+
+/// The selection of one token from its choice values `c` (f32, as the kernels add score and
+/// bias), by the kernels' rules: larger first, lower index on ties; groups ranked by the f32
+/// sum of their two best members, lower group on ties. Returns the experts in rank order.
+fn select_f32(cfg: &RouterConfig, c: &[f32]) -> Vec<i32> {
+    let e = c.len();
+    let by = |a: &usize, b: &usize| c[*b].total_cmp(&c[*a]).then(a.cmp(b));
+    let mut cands: Vec<usize> = if cfg.n_group > 1 {
+        let per = e / cfg.n_group;
+        let score: Vec<f32> = (0..cfg.n_group)
+            .map(|g| {
+                let mut m: Vec<usize> = (g * per..(g + 1) * per).collect();
+                m.sort_by(by);
+                c[m[0]] + c[m[1]]
+            })
+            .collect();
+        let mut groups: Vec<usize> = (0..cfg.n_group).collect();
+        groups.sort_by(|a, b| score[*b].total_cmp(&score[*a]).then(a.cmp(b)));
+        groups[..cfg.topk_group]
+            .iter()
+            .flat_map(|&g| g * per..(g + 1) * per)
+            .collect()
+    } else {
+        (0..e).collect()
+    };
+    cands.sort_by(by);
+    cands[..cfg.num_experts_per_tok]
+        .iter()
+        .map(|&i| i as i32)
+        .collect()
+}
+
+/// Near ties below the reference's tolerance, decided exactly: choice values that differ only
+/// in their last bits, and exact ties. Every expert has the same weight row, so a token's
+/// scores are all equal; the bias, m · 2^-24 with m random below a range (256, 4096 or
+/// 65536), sets the choice values s + bias. The expected selection is computed from the
+/// kernel's own score (read back) in f32, so indices must match exactly (no near-tie
+/// exemption), at every lanes-per-token shape of the fused routing (8 to 128 tokens per CTA)
+/// and with groups.
+fn forward_near_ties_exact(s: &Arc<CudaStream>) {
+    let seed = fresh_seed();
+    let mut rng = Rng::new(seed);
+    let configs = [
+        RouterConfig::glm45(1, 1),
+        RouterConfig::glm45(8, 4),
+        RouterConfig {
+            num_experts_per_tok: 4,
+            ..RouterConfig::glm45(1, 1)
+        },
+        RouterConfig {
+            num_experts_per_tok: 6,
+            ..RouterConfig::glm45(4, 2)
+        },
+        RouterConfig {
+            n_routed_experts: 256,
+            hidden_size: 7168,
+            ..RouterConfig::glm45(8, 4)
+        },
+    ];
+    let mut rows = 0usize;
+    for (ci, cfg) in configs.iter().enumerate() {
+        let (h, e, k) = (
+            cfg.hidden_size,
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+        );
+        let router = Router::new(*cfg).unwrap();
+        let token_counts: &[usize] = if ci < 2 {
+            &[131, 2048, 4096, 16384]
+        } else {
+            &[131, 4096]
+        };
+        for (ti, &tokens) in token_counts.iter().enumerate() {
+            let range = [256u32, 4096, 1 << 16][(ci + ti) % 3];
+            let label = format!("{cfg:?} T={tokens} bias range {range} seed {seed}");
+            let mut inp = Inputs::random(cfg, tokens, &mut rng);
+            let row: Vec<bf16> = inp.w[..h].to_vec();
+            for ex in 0..e {
+                inp.w[ex * h..(ex + 1) * h].copy_from_slice(&row);
+            }
+            for b in inp.bias.iter_mut() {
+                *b = (rng.next_u64() % u64::from(range)) as f32 * (1.0 / 16_777_216.0);
+            }
+            let got = gpu_forward(s, &router, tokens, &inp);
+            for t in 0..tokens {
+                let sc = &got.scores[t * k..(t + 1) * k];
+                assert!(
+                    sc.iter().all(|v| v.to_bits() == sc[0].to_bits()),
+                    "{label}: token {t}: scores {sc:?} differ (equal weight rows)"
+                );
+                let c: Vec<f32> = inp.bias.iter().map(|&b| sc[0] + b).collect();
+                let want = select_f32(cfg, &c);
+                assert_eq!(
+                    &got.idx[t * k..(t + 1) * k],
+                    &want[..],
+                    "{label}: token {t}"
+                );
+            }
+            rows += tokens;
+        }
+    }
+    println!("  {rows} rows, indices equal to the f32 selection");
 }
 
 /// Full scores and expert counts: off by default, and when on they neither change the
