@@ -6,8 +6,10 @@
 //!
 //! Per case: fused backward (`Precision::Default`), fused backward (`Precision::Precise`) and
 //! the unfused baseline, timed as `../shared/bench/README.md` asks: CUDA events around many
-//! back-to-back calls, median of several rounds, after warm-up, rotating among enough input
-//! sets (>= 2x the 50 MB L2) that no call finds the previous call's data in cache.
+//! back-to-back calls (replayed from a CUDA graph, so that the GPU time is measured, not the
+//! host's launch rate; `MOE_ROUTING_BENCH_EAGER=1`: launched one by one), median of several
+//! rounds, after warm-up, rotating among enough input sets (>= 2x the 50 MB L2) that no call
+//! finds the previous call's data in cache.
 //!
 //! Results go to stdout (a table) and to JSON: `--json PATH`, else `$MOE_ROUTING_BENCH_JSON`,
 //! else `target/bench-backward.json`. The suite is read from `$MOE_ROUTING_SUITE` or

@@ -6,8 +6,9 @@
 //!     bench-forward --bench [--json PATH] [--into PATH] [--filter NAME]
 //!
 //! Timing as in `benches/backward.rs` (and `../shared/bench/README.md`): CUDA events around
-//! many back-to-back calls, median of several rounds, after warm-up, rotating among enough input
-//! sets (>= 2x the 50 MB L2) that no call finds the previous call's data in cache. Before
+//! many back-to-back calls replayed from a CUDA graph (`MOE_ROUTING_BENCH_EAGER=1`: launched one
+//! by one), median of several rounds, after warm-up, rotating among enough input sets (>= 2x
+//! the 50 MB L2) that no call finds the previous call's data in cache. Before
 //! timing, the baseline is checked against the fused forward.
 //!
 //! Results go to stdout (a table) and to JSON: `--json PATH`, else `$MOE_ROUTING_BENCH_JSON`,

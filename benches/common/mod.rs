@@ -16,7 +16,9 @@ use std::os::raw::c_int;
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::{CUdeviceptr, CUevent_flags};
+use cudarc::driver::sys::{
+    CUdeviceptr, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
 use cudarc::driver::{CudaContext, CudaStream};
 use moe_routing::suite::{self, Case};
 use moe_routing::{cuda_device_count, RouterConfig};
@@ -110,7 +112,11 @@ pub fn open_session(args: &Args) -> Result<Option<Session>> {
         println!("no suite case matches the filter: nothing to time");
     }
     let ctx = CudaContext::new(0)?;
-    let stream = ctx.default_stream();
+    // SAFETY: every buffer of a benchmark is allocated and used on the one stream below, so no
+    // cross-stream ordering is needed; and no event may be recorded inside a graph capture.
+    unsafe { ctx.disable_event_tracking() };
+    // A stream of its own: the legacy default stream cannot be captured into a graph.
+    let stream = ctx.new_stream()?;
     let device = ctx.name()?;
     println!("device: {device}");
     let blas = load_cublas(&stream);
@@ -241,8 +247,19 @@ pub struct Timing {
     pub launches: usize,
 }
 
+/// Set (to anything) to time rounds of calls launched one by one from the host instead of
+/// replayed as a graph (the method of the results before graphs; see BENCHMARKS.md).
+pub const EAGER_ENV: &str = "MOE_ROUTING_BENCH_EAGER";
+
+fn eager() -> bool {
+    std::env::var_os(EAGER_ENV).is_some()
+}
+
 /// GPU time per call of `call(i)` (which uses input set `i % sets`): CUDA events around
-/// rounds of back-to-back calls, median of [`ROUNDS`] rounds, after warm-up.
+/// rounds of back-to-back calls, median of [`ROUNDS`] rounds, after warm-up. A round is the
+/// calls captured once into a CUDA graph and replayed, so that it times the GPU alone: launched
+/// one by one, a baseline of several small kernels and cuBLAS calls is bound by the host's
+/// launch rate at small T, not by the GPU.
 pub fn time_calls(
     stream: &Arc<CudaStream>,
     sets: usize,
@@ -260,7 +277,7 @@ pub fn time_calls(
     let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     // Launch counts are multiples of `sets`, so every round starts on set 0 right after a
     // round that ended on the last set: no two consecutive calls share a set.
-    let mut round = |launches: usize| -> Result<f64> {
+    let round = |launches: usize, call: &mut dyn FnMut(usize) -> Result<()>| -> Result<f64> {
         start.record(stream)?;
         for i in 0..launches {
             call(i)?;
@@ -270,14 +287,28 @@ pub fn time_calls(
     };
 
     // Calibrate the launch count on a short round, so that a round lasts >= MIN_ROUND_US.
-    let estimate_us = round(sets * 8usize.div_ceil(sets))?;
+    let estimate_us = round(sets * 8usize.div_ceil(sets), &mut call)?;
     let launches = ((MIN_ROUND_US / estimate_us.max(1e-3)).ceil() as usize)
         .clamp(1, MAX_LAUNCHES)
         .div_ceil(sets)
         * sets;
-    let mut per_call = (0..ROUNDS)
-        .map(|_| round(launches))
-        .collect::<Result<Vec<f64>>>()?;
+    let mut per_call = if eager() {
+        (0..ROUNDS)
+            .map(|_| round(launches, &mut call))
+            .collect::<Result<Vec<f64>>>()?
+    } else {
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = (0..launches).try_for_each(&mut call);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = graph?.ok_or("nothing was captured")?;
+        graph.launch()?; // the first replay uploads the graph
+        stream.synchronize()?;
+        let mut replay = |_: usize| -> Result<()> { Ok(graph.launch()?) };
+        (0..ROUNDS)
+            .map(|_| Ok(round(1, &mut replay)? / launches as f64))
+            .collect::<Result<Vec<f64>>>()?
+    };
     per_call.sort_by(f64::total_cmp);
     Ok(Timing {
         us: per_call[ROUNDS / 2],
@@ -288,8 +319,13 @@ pub fn time_calls(
 /// The timing method, as the JSON's `method` says it.
 pub fn method() -> String {
     format!(
-        "CUDA events, median of {ROUNDS} rounds of N back-to-back calls, S input sets rotated \
-         (>= 100 MB); per case N is `launches` (a round lasts >= {} ms) and S is `sets`",
+        "CUDA events, median of {ROUNDS} rounds of N back-to-back calls {}, S input sets \
+         rotated (>= 100 MB); per case N is `launches` (a round lasts >= {} ms) and S is `sets`",
+        if eager() {
+            "launched one by one from the host"
+        } else {
+            "captured once into a CUDA graph and replayed"
+        },
         MIN_ROUND_US / 1e3
     )
 }
