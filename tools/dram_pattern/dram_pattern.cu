@@ -1,0 +1,279 @@
+// DRAM throughput of the fused backward's access pattern, without its compute: each CTA reads
+// tiles of `rows` tokens × `cols` bf16 columns of x and writes them to y (the same bytes as
+// x read once and grad_x written once), in the backward's schedule: H / `cols` column slices,
+// `per` consecutive CTAs per slice, each taking a contiguous range of the slice's token tiles.
+// Variants, each on the same grid:
+//   pattern             a tile loaded whole (16-byte loads, all in flight), then stored
+//   two tiles in flight the next tile's loads issued before this tile's stores (cols <= 256)
+//   TMA boxes           one thread, 2D TMA loads and stores of whole tiles through a ring of
+//                       96 or 192 KB of shared memory (rows 128, cols 64 or 128)
+//   contiguous          the same bytes, each CTA a contiguous range of whole rows (also on 132)
+//
+//   dram_pattern T H COLS PER [ROWS]      (COLS ∈ {64, 128, 256, 512}, ROWS ∈ {128, 64})
+//
+// Prints the time per call (CUDA events, median of 7 rounds of 40 back-to-back launches over 4
+// rotated buffer pairs) and TB/s counting the 4·T·H bytes moved. Build:
+// tools/dram_pattern/build.sh (no GPU needed); run on a Hopper GPU.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
+
+constexpr int kThreads = 256;
+
+// Schedule of the backward: slice = cta / per, range = cta % per.
+template <int kCols, int kRows>
+__global__ void __launch_bounds__(kThreads) tiles(const uint4* __restrict__ x, uint4* __restrict__ y,
+                                                  int64_t T, int H, int per) {
+  constexpr int kVecsPerRow = kCols * 2 / 16;
+  constexpr int kVecs = kRows * kVecsPerRow / kThreads;  // per thread per tile
+  static_assert(kRows * kVecsPerRow % kThreads == 0, "whole tile");
+  const int slice = blockIdx.x / per, range = blockIdx.x % per;
+  const int64_t ntiles = (T + kRows - 1) / kRows;
+  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
+  const int64_t row_vecs = int64_t(H) * 2 / 16;
+  for (int64_t t = t0; t < t1; ++t) {
+    uint4 v[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = threadIdx.x + kThreads * j;
+      const int64_t row = t * kRows + i / kVecsPerRow;
+      const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+      v[j] = row < T ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int i = threadIdx.x + kThreads * j;
+      const int64_t row = t * kRows + i / kVecsPerRow;
+      const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+      if (row < T) __stcs(y + o, v[j]);
+    }
+  }
+}
+
+// As `tiles`, with the next tile's loads issued before this tile's stores (two tiles in flight).
+template <int kCols, int kRows>
+__global__ void __launch_bounds__(kThreads) tiles2(const uint4* __restrict__ x, uint4* __restrict__ y,
+                                                   int64_t T, int H, int per) {
+  constexpr int kVecsPerRow = kCols * 2 / 16;
+  constexpr int kVecs = kRows * kVecsPerRow / kThreads;
+  const int slice = blockIdx.x / per, range = blockIdx.x % per;
+  const int64_t ntiles = (T + kRows - 1) / kRows;
+  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
+  const int64_t row_vecs = int64_t(H) * 2 / 16;
+  auto at = [&](int64_t t, int j, int64_t& row) {
+    const int i = threadIdx.x + kThreads * j;
+    row = t * kRows + i / kVecsPerRow;
+    return row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+  };
+  uint4 v[kVecs], w[kVecs];
+  auto load = [&](int64_t t, uint4 (&d)[kVecs]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      int64_t row;
+      const int64_t o = at(t, j, row);
+      d[j] = t < t1 && row < T ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store = [&](int64_t t, const uint4 (&d)[kVecs]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      int64_t row;
+      const int64_t o = at(t, j, row);
+      if (row < T) __stcs(y + o, d[j]);
+    }
+  };
+  load(t0, v);
+  for (int64_t t = t0; t < t1; t += 2) {
+    load(t + 1, w);
+    store(t, v);
+    if (t + 1 >= t1) break;
+    load(t + 2, v);
+    store(t + 1, w);
+  }
+}
+
+// As `tiles`, moved by the tensor memory accelerator as the fused kernel moves x and grad_x:
+// one thread per CTA loads each 128 × kCols tile as one 2D TMA box into a ring of kStages
+// shared-memory tiles (one mbarrier each) and stores it as one box, kStages − 2 tiles ahead.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+template <int kCols, int kStages>
+__global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensorMap tx,
+                                                const __grid_constant__ CUtensorMap ty, int64_t T,
+                                                int per) {
+  constexpr int kRows = 128, kTileBytes = kRows * kCols * 2;
+  extern __shared__ __align__(128) char ring[];  // kStages tiles
+  __shared__ __align__(8) uint64_t full[kStages];
+  if (threadIdx.x != 0) return;
+  const int slice = blockIdx.x / per, range = blockIdx.x % per;
+  const int64_t ntiles = (T + kRows - 1) / kRows;
+  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
+  for (int i = 0; i < kStages; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const int c0 = slice * kCols;
+  constexpr int kAhead = kStages - 2;
+  for (int64_t t = t0; t < t1 + kAhead; ++t) {
+    if (t < t1) {  // load tile t into stage t % kStages (its last store, tile t − kStages, read)
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      const int s = int(t % kStages);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
+                   "r"(kTileBytes) : "memory");
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+          ::"r"(smem_u32(ring + s * kTileBytes)), "l"(&tx), "r"(c0), "r"(int(t * kRows)),
+          "r"(smem_u32(&full[s])) : "memory");
+    }
+    const int64_t u = t - kAhead;  // store tile u once it has landed
+    if (u >= t0) {
+      const int s = int(u % kStages);
+      const uint32_t parity = uint32_t((u - t0) / kStages) & 1u;
+      uint32_t done = 0;
+      while (!done)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_u32(&full[s])), "r"(parity) : "memory");
+      asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                   ::"l"(&ty), "r"(c0), "r"(int(u * kRows)), "r"(smem_u32(ring + s * kTileBytes))
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// (T, H) bf16 row-major as a 2D tensor map with 128-row × kCols boxes, no swizzle.
+static CUtensorMap tensor_map(void* base, int64_t T, int H, int cols) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  CUtensorMap m;
+  const cuuint64_t dims[2] = {cuuint64_t(H), cuuint64_t(T)};
+  const cuuint64_t strides[1] = {cuuint64_t(H) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(cols), 128u};
+  const cuuint32_t estr[2] = {1u, 1u};
+  if (encode(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, estr,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    printf("tensor map encoding failed\n");
+    exit(1);
+  }
+  return m;
+}
+
+// The same bytes, each CTA a contiguous range, 16 vectors per thread per step.
+__global__ void __launch_bounds__(kThreads) contiguous(const uint4* __restrict__ x, uint4* __restrict__ y,
+                                                       int64_t n) {
+  constexpr int kVecs = 16;
+  const int64_t per_cta = (n + gridDim.x - 1) / gridDim.x;
+  const int64_t b = blockIdx.x * per_cta, e = n < b + per_cta ? n : b + per_cta;
+  for (int64_t s = b; s < e; s += int64_t(kThreads) * kVecs) {
+    uint4 v[kVecs];
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t o = s + threadIdx.x + int64_t(kThreads) * j;
+      v[j] = o < e ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t o = s + threadIdx.x + int64_t(kThreads) * j;
+      if (o < e) __stcs(y + o, v[j]);
+    }
+  }
+}
+
+template <class F>
+static float time_us(F&& call, int sets) {
+  for (int i = 0; i < sets; ++i) call(i);
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  std::vector<float> t;
+  const int n = 40;
+  for (int r = 0; r < 7; ++r) {
+    CK(cudaEventRecord(a));
+    for (int i = 0; i < n; ++i) call(i % sets);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1000 / n);
+  }
+  std::sort(t.begin(), t.end());
+  return t[3];
+}
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    printf("usage: dram_pattern T H COLS PER [ROWS]\n");
+    return 2;
+  }
+  const int64_t T = atoll(argv[1]);
+  const int H = atoi(argv[2]), cols = atoi(argv[3]), per = atoi(argv[4]);
+  const int rows = argc > 5 ? atoi(argv[5]) : 128;
+  const int slices = H / cols, grid = slices * per;
+  const int sets = 4;
+  const size_t bytes = size_t(T) * H * 2;
+  std::vector<uint4*> x(sets), y(sets);
+  for (int s = 0; s < sets; ++s) {
+    CK(cudaMalloc(&x[s], bytes));
+    CK(cudaMalloc(&y[s], bytes));
+    CK(cudaMemset(x[s], 0x3c, bytes));  // nonzero
+  }
+  auto launch = [&](int s) {
+#define CASE(C, R) \
+    if (cols == C && rows == R) { tiles<C, R><<<grid, kThreads>>>(x[s], y[s], T, H, per); return; }
+    CASE(64, 128) CASE(128, 128) CASE(256, 128) CASE(512, 128) CASE(128, 64) CASE(256, 64)
+#undef CASE
+    printf("unsupported COLS/ROWS\n");
+    exit(2);
+  };
+  const float tp = time_us(launch, sets);
+  auto launch2 = [&](int s) {
+    if (cols == 128 && rows == 128) tiles2<128, 128><<<grid, kThreads>>>(x[s], y[s], T, H, per);
+    else if (cols == 256 && rows == 128) tiles2<256, 128><<<grid, kThreads>>>(x[s], y[s], T, H, per);
+    else if (cols == 64 && rows == 128) tiles2<64, 128><<<grid, kThreads>>>(x[s], y[s], T, H, per);
+  };
+  const float tp2 = (rows == 128 && cols <= 256) ? time_us(launch2, sets) : 0.0f;
+  float tb[2] = {0.0f, 0.0f};
+  if (rows == 128 && (cols == 64 || cols == 128)) {
+    std::vector<CUtensorMap> mx(sets), my(sets);
+    for (int s = 0; s < sets; ++s) mx[s] = tensor_map(x[s], T, H, cols), my[s] = tensor_map(y[s], T, H, cols);
+    auto tma = [&](auto cols_c, auto stages_c) {
+      constexpr int C = decltype(cols_c)::value, S = decltype(stages_c)::value;
+      const int smem = S * 128 * C * 2;
+      CK(cudaFuncSetAttribute(tiles_tma<C, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      return time_us([&](int s) { tiles_tma<C, S><<<grid, 32, smem>>>(mx[s], my[s], T, per); }, sets);
+    };
+    if (cols == 128) {
+      tb[0] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 3>{});
+      tb[1] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 6>{});
+    } else {
+      tb[0] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 6>{});
+      tb[1] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 12>{});
+    }
+  }
+  CK(cudaGetLastError());
+  const int64_t n = int64_t(bytes / 16);
+  const float tc = time_us([&](int s) { contiguous<<<grid, kThreads>>>(x[s], y[s], n); }, sets);
+  const float tc132 = time_us([&](int s) { contiguous<<<132, kThreads>>>(x[s], y[s], n); }, sets);
+  CK(cudaGetLastError());
+  const double mb = 2.0 * bytes;
+  printf("T=%lld H=%d cols=%d rows=%d per=%d grid=%d: pattern %.2f us %.2f TB/s | two tiles in flight %.2f us %.2f TB/s | TMA boxes, ring of 96 / 192 KB %.2f / %.2f TB/s | contiguous (same grid) %.2f us %.2f TB/s | contiguous 132 CTAs %.2f us %.2f TB/s\n",
+         (long long)T, H, cols, rows, per, grid, tp, mb / tp * 1e-6, tp2, tp2 > 0 ? mb / tp2 * 1e-6 : 0.0,
+         tb[0] > 0 ? mb / tb[0] * 1e-6 : 0.0, tb[1] > 0 ? mb / tb[1] * 1e-6 : 0.0, tc, mb / tc * 1e-6, tc132,
+         mb / tc132 * 1e-6);
+  return 0;
+}
