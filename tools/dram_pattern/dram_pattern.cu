@@ -8,6 +8,7 @@
 //   TMA boxes           one thread, 2D TMA loads and stores of whole tiles through a ring of
 //                       96 or 192 KB of shared memory (rows 128, cols 64 or 128)
 //   contiguous          the same bytes, each CTA a contiguous range of whole rows (also on 132)
+//   (128 × 128 tiles)   the pattern with other cache hints, and cudaMemcpyAsync of the tensor
 //
 //   dram_pattern T H COLS PER [ROWS]      (COLS ∈ {64, 128, 256, 512}, ROWS ∈ {128, 64})
 //
@@ -29,7 +30,8 @@
 constexpr int kThreads = 256;
 
 // Schedule of the backward: slice = cta / per, range = cta % per.
-template <int kCols, int kRows>
+// kHint: 0 streaming loads and stores (.cs), 1 plain loads and stores, 2 plain loads, .cs stores.
+template <int kCols, int kRows, int kHint = 0>
 __global__ void __launch_bounds__(kThreads) tiles(const uint4* __restrict__ x, uint4* __restrict__ y,
                                                   int64_t T, int H, int per) {
   constexpr int kVecsPerRow = kCols * 2 / 16;
@@ -46,14 +48,17 @@ __global__ void __launch_bounds__(kThreads) tiles(const uint4* __restrict__ x, u
       const int i = threadIdx.x + kThreads * j;
       const int64_t row = t * kRows + i / kVecsPerRow;
       const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
-      v[j] = row < T ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
+      v[j] = row < T ? (kHint == 0 ? __ldcs(x + o) : x[o]) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       const int i = threadIdx.x + kThreads * j;
       const int64_t row = t * kRows + i / kVecsPerRow;
       const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
-      if (row < T) __stcs(y + o, v[j]);
+      if (row < T) {
+        if (kHint == 1) y[o] = v[j];
+        else __stcs(y + o, v[j]);
+      }
     }
   }
 }
@@ -106,7 +111,9 @@ __global__ void __launch_bounds__(kThreads) tiles2(const uint4* __restrict__ x, 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
-template <int kCols, int kStages>
+// kLoadHint, kStoreHint: L2 eviction priority of the TMA loads and stores (0 none, 1 evict-first,
+// 2 evict-last).
+template <int kCols, int kStages, int kLoadHint = 0, int kStoreHint = 0>
 __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensorMap tx,
                                                 const __grid_constant__ CUtensorMap ty, int64_t T,
                                                 int per) {
@@ -121,6 +128,13 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   const int c0 = slice * kCols;
+  auto policy = [](int hint) {
+    uint64_t p = 0;
+    if (hint == 1) asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    if (hint == 2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    return p;
+  };
+  const uint64_t load_policy = policy(kLoadHint), store_policy = policy(kStoreHint);
   constexpr int kAhead = kStages - 2;
   for (int64_t t = t0; t < t1 + kAhead; ++t) {
     if (t < t1) {  // load tile t into stage t % kStages (its last store, tile t − kStages, read)
@@ -128,10 +142,16 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
       const int s = int(t % kStages);
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
                    "r"(kTileBytes) : "memory");
-      asm volatile(
-          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
-          ::"r"(smem_u32(ring + s * kTileBytes)), "l"(&tx), "r"(c0), "r"(int(t * kRows)),
-          "r"(smem_u32(&full[s])) : "memory");
+      if constexpr (kLoadHint == 0)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+            ::"r"(smem_u32(ring + s * kTileBytes)), "l"(&tx), "r"(c0), "r"(int(t * kRows)),
+            "r"(smem_u32(&full[s])) : "memory");
+      else
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5;"
+            ::"r"(smem_u32(ring + s * kTileBytes)), "l"(&tx), "r"(c0), "r"(int(t * kRows)),
+            "r"(smem_u32(&full[s])), "l"(load_policy) : "memory");
     }
     const int64_t u = t - kAhead;  // store tile u once it has landed
     if (u >= t0) {
@@ -141,9 +161,14 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
       while (!done)
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(smem_u32(&full[s])), "r"(parity) : "memory");
-      asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
-                   ::"l"(&ty), "r"(c0), "r"(int(u * kRows)), "r"(smem_u32(ring + s * kTileBytes))
-                   : "memory");
+      if constexpr (kStoreHint == 0)
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                     ::"l"(&ty), "r"(c0), "r"(int(u * kRows)), "r"(smem_u32(ring + s * kTileBytes))
+                     : "memory");
+      else
+        asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;"
+                     ::"l"(&ty), "r"(c0), "r"(int(u * kRows)), "r"(smem_u32(ring + s * kTileBytes)),
+                     "l"(store_policy) : "memory");
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
   }
@@ -260,6 +285,18 @@ int main(int argc, char** argv) {
     if (cols == 128) {
       tb[0] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 3>{});
       tb[1] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 6>{});
+      auto hinted = [&](auto lh, auto sh) {
+        constexpr int L = decltype(lh)::value, S = decltype(sh)::value;
+        constexpr int smem = 3 * 128 * 128 * 2;
+        CK(cudaFuncSetAttribute(tiles_tma<128, 3, L, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const float us = time_us([&](int s) { tiles_tma<128, 3, L, S><<<grid, 32, smem>>>(mx[s], my[s], T, per); }, sets);
+        printf("T=%lld: TMA, 96 KB ring, load hint %d store hint %d (1 evict-first, 2 evict-last): %.2f us %.2f TB/s\n",
+               (long long)T, L, S, us, 4.0 * double(T) * H / us * 1e-6);
+      };
+      using I0 = std::integral_constant<int, 0>;
+      using I1 = std::integral_constant<int, 1>;
+      using I2 = std::integral_constant<int, 2>;
+      hinted(I1{}, I0{}); hinted(I2{}, I0{}); hinted(I0{}, I1{}); hinted(I1{}, I1{}); hinted(I2{}, I1{}); hinted(I0{}, I2{});
     } else {
       tb[0] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 6>{});
       tb[1] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 12>{});
@@ -271,6 +308,13 @@ int main(int argc, char** argv) {
   const float tc132 = time_us([&](int s) { contiguous<<<132, kThreads>>>(x[s], y[s], n); }, sets);
   CK(cudaGetLastError());
   const double mb = 2.0 * bytes;
+  if (cols == 128 && rows == 128) {  // cache hints, and the runtime's own copy of the same bytes
+    const float h1 = time_us([&](int s) { tiles<128, 128, 1><<<grid, kThreads>>>(x[s], y[s], T, H, per); }, sets);
+    const float h2 = time_us([&](int s) { tiles<128, 128, 2><<<grid, kThreads>>>(x[s], y[s], T, H, per); }, sets);
+    const float mc = time_us([&](int s) { CK(cudaMemcpyAsync(y[s], x[s], bytes, cudaMemcpyDeviceToDevice)); }, sets);
+    printf("T=%lld: pattern with plain loads and stores %.2f TB/s, plain loads and .cs stores %.2f TB/s; cudaMemcpy %.2f us %.2f TB/s\n",
+           (long long)T, mb / h1 * 1e-6, mb / h2 * 1e-6, mc, mb / mc * 1e-6);
+  }
   printf("T=%lld H=%d cols=%d rows=%d per=%d grid=%d: pattern %.2f us %.2f TB/s | two tiles in flight %.2f us %.2f TB/s | TMA boxes, ring of 96 / 192 KB %.2f / %.2f TB/s | contiguous (same grid) %.2f us %.2f TB/s | contiguous 132 CTAs %.2f us %.2f TB/s\n",
          (long long)T, H, cols, rows, per, grid, tp, mb / tp * 1e-6, tp2, tp2 > 0 ? mb / tp2 * 1e-6 : 0.0,
          tb[0] > 0 ? mb / tb[0] * 1e-6 : 0.0, tb[1] > 0 ? mb / tb[1] * 1e-6 : 0.0, tc, mb / tc * 1e-6, tc132,
