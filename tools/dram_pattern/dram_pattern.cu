@@ -8,7 +8,9 @@
 //   TMA boxes           one thread, 2D TMA loads and stores of whole tiles through a ring of
 //                       96 or 192 KB of shared memory (rows 128, cols 64 or 128)
 //   contiguous          the same bytes, each CTA a contiguous range of whole rows (also on 132)
-//   (128 × 128 tiles)   the pattern with other cache hints, and cudaMemcpyAsync of the tensor
+//   (128 × 128 tiles)   the pattern with other cache hints, TMA with L2 policies (and evict-last
+//                       lines demoted after use), what a following kernel then finds in L2,
+//                       and cudaMemcpyAsync of the tensor
 //
 //   dram_pattern T H COLS PER [ROWS]      (COLS ∈ {64, 128, 256, 512}, ROWS ∈ {128, 64})
 //
@@ -112,21 +114,25 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return uint32_t(__cvta_generic_to_shared(p));
 }
 // kLoadHint, kStoreHint: L2 eviction priority of the TMA loads and stores (0 none, 1 evict-first,
-// 2 evict-last).
-template <int kCols, int kStages, int kLoadHint = 0, int kStoreHint = 0>
+// 2 evict-last). kDemote: once a tile has landed, its x lines are set back to evict-normal
+// (`applypriority`, by the warp's 32 lanes), so that no line stays marked after the call.
+template <int kCols, int kStages, int kLoadHint = 0, int kStoreHint = 0, bool kDemote = false>
 __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensorMap tx,
                                                 const __grid_constant__ CUtensorMap ty, int64_t T,
-                                                int per) {
+                                                int per, const char* xraw = nullptr, int H = 0) {
   constexpr int kRows = 128, kTileBytes = kRows * kCols * 2;
   extern __shared__ __align__(128) char ring[];  // kStages tiles
   __shared__ __align__(8) uint64_t full[kStages];
-  if (threadIdx.x != 0) return;
+  const int lane = threadIdx.x;
   const int slice = blockIdx.x / per, range = blockIdx.x % per;
   const int64_t ntiles = (T + kRows - 1) / kRows;
   const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
-  for (int i = 0; i < kStages; ++i)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
   const int c0 = slice * kCols;
   auto policy = [](int hint) {
     uint64_t p = 0;
@@ -137,7 +143,7 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
   const uint64_t load_policy = policy(kLoadHint), store_policy = policy(kStoreHint);
   constexpr int kAhead = kStages - 2;
   for (int64_t t = t0; t < t1 + kAhead; ++t) {
-    if (t < t1) {  // load tile t into stage t % kStages (its last store, tile t − kStages, read)
+    if (t < t1 && lane == 0) {  // load tile t into stage t % kStages (its last store read)
       asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
       const int s = int(t % kStages);
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])),
@@ -161,6 +167,16 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
       while (!done)
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(smem_u32(&full[s])), "r"(parity) : "memory");
+      if constexpr (kDemote) {
+        constexpr int kLinesPerRow = kCols * 2 / 128;
+        for (int i = lane; i < kRows * kLinesPerRow; i += 32) {
+          const int64_t row = u * kRows + i / kLinesPerRow;
+          if (row < T)
+            asm volatile("applypriority.global.L2::evict_normal [%0], 128;" ::"l"(
+                xraw + row * int64_t(H) * 2 + int64_t(c0) * 2 + (i % kLinesPerRow) * 128) : "memory");
+        }
+      }
+      if (lane != 0) continue;
       if constexpr (kStoreHint == 0)
         asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
                      ::"l"(&ty), "r"(c0), "r"(int(u * kRows)), "r"(smem_u32(ring + s * kTileBytes))
@@ -172,7 +188,17 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
   }
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+// Reads n vectors through L2 (a following kernel's working set), for the L2 left by a copy.
+__global__ void probe(const uint4* __restrict__ b, int64_t n, unsigned* out) {
+  unsigned acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcg(b + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) *out = acc;
 }
 
 // (T, H) bf16 row-major as a 2D tensor map with 128-row × kCols boxes, no swizzle.
@@ -297,6 +323,53 @@ int main(int argc, char** argv) {
       using I1 = std::integral_constant<int, 1>;
       using I2 = std::integral_constant<int, 2>;
       hinted(I1{}, I0{}); hinted(I2{}, I0{}); hinted(I0{}, I1{}); hinted(I1{}, I1{}); hinted(I2{}, I1{}); hinted(I0{}, I2{});
+      {  // evict-last loads with the x lines demoted after use
+        constexpr int smem = 3 * 128 * 128 * 2;
+        CK(cudaFuncSetAttribute(tiles_tma<128, 3, 2, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const float us = time_us([&](int s) {
+          tiles_tma<128, 3, 2, 1, true><<<grid, 32, smem>>>(mx[s], my[s], T, per, reinterpret_cast<const char*>(x[s]), H);
+        }, sets);
+        printf("T=%lld: TMA, load evict-last demoted after use, store evict-first: %.2f us %.2f TB/s\n",
+               (long long)T, us, 4.0 * double(T) * H / us * 1e-6);
+      }
+      // What a following kernel finds in L2: after one copy, a 24 MB buffer read twice; the
+      // second read's time (median of 5).
+      {
+        const int64_t pn = 24ll * 1024 * 1024 / 16;
+        uint4* pb;
+        unsigned* po;
+        CK(cudaMalloc(&pb, pn * 16));
+        CK(cudaMalloc(&po, 4));
+        CK(cudaMemset(pb, 1, pn * 16));
+        cudaEvent_t a, b;
+        CK(cudaEventCreate(&a));
+        CK(cudaEventCreate(&b));
+        auto after = [&](const char* name, auto copy) {
+          std::vector<float> v;
+          for (int r = 0; r < 5; ++r) {
+            copy();
+            probe<<<264, 512>>>(pb, pn, po);
+            CK(cudaEventRecord(a));
+            probe<<<264, 512>>>(pb, pn, po);
+            CK(cudaEventRecord(b));
+            CK(cudaEventSynchronize(b));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, a, b));
+            v.push_back(ms * 1000);
+          }
+          std::sort(v.begin(), v.end());
+          printf("T=%lld: 24 MB re-read after a copy with %s: %.2f us\n", (long long)T, name, v[2]);
+        };
+        constexpr int smem = 3 * 128 * 128 * 2;
+        after("no hints", [&] { tiles_tma<128, 3, 0, 0><<<grid, 32, smem>>>(mx[0], my[0], T, per); });
+        after("evict-last loads, evict-first stores", [&] { tiles_tma<128, 3, 2, 1><<<grid, 32, smem>>>(mx[0], my[0], T, per); });
+        after("the same, x demoted after use", [&] {
+          tiles_tma<128, 3, 2, 1, true><<<grid, 32, smem>>>(mx[0], my[0], T, per, reinterpret_cast<const char*>(x[0]), H);
+        });
+        after("no copy", [&] {});
+        CK(cudaFree(pb));
+        CK(cudaFree(po));
+      }
     } else {
       tb[0] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 6>{});
       tb[1] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 12>{});
