@@ -14,7 +14,7 @@ constexpr int64_t kTileT = 128, kTileH = 64;
 // but 24 tiles in clusters of 5 ran as two waves on an H200, 33.9 us against 19.3 us in
 // clusters of 4.)
 constexpr const auto& kSplits = kernels::fused_forward::kClusterSizes;
-constexpr int kNumSplits = int(sizeof(kSplits) / sizeof(kSplits[0]));
+constexpr int kNumSplits = kernels::fused_forward::kNumClusterSizes;
 // Per-wave cost that does not shrink with the split (pipeline fill, reduction, routing), in
 // hidden blocks of 64 (one block ~0.47 us). Fitted on an H200 (H = 5120, E = 160, one wave
 // per split): 80 blocks per CTA 50 us, 40 blocks 32 us, 20 21.5 us, 10 16.5 us, 5 15.4 us.

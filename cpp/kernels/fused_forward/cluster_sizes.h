@@ -6,6 +6,7 @@
 namespace moe_routing::kernels::fused_forward {
 
 inline constexpr int kClusterSizes[] = {1, 2, 3, 4, 6, 8, 16};
+inline constexpr int kNumClusterSizes = int(sizeof(kClusterSizes) / sizeof(kClusterSizes[0]));
 
 constexpr bool is_cluster_size(int k) {
   for (int s : kClusterSizes)

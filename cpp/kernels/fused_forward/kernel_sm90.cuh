@@ -73,8 +73,7 @@ __device__ __forceinline__ void with_cluster_size(int split, F&& f, std::index_s
 }
 template <class F>
 __device__ __forceinline__ void with_cluster_size(int split, F&& f) {
-  constexpr size_t kCount = sizeof(kClusterSizes) / sizeof(kClusterSizes[0]);
-  with_cluster_size(split, f, std::make_index_sequence<kCount>{});
+  with_cluster_size(split, f, std::make_index_sequence<kNumClusterSizes>{});
 }
 
 constexpr int kRouteWidth = 8;  // lanes per token in the routing epilogue
