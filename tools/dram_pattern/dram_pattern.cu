@@ -30,33 +30,54 @@
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
 
 constexpr int kThreads = 256;
+template <int V>
+using I = std::integral_constant<int, V>;
 
-// Schedule of the backward: slice = cta / per, range = cta % per.
-// kHint: 0 streaming loads and stores (.cs), 1 plain loads and stores, 2 plain loads, .cs stores.
+// The backward's schedule for CTA blockIdx.x: slice blockIdx.x / per, and token tiles [t0, t1),
+// the (blockIdx.x % per)-th of per contiguous ranges of the slice's ⌈T / rows⌉ tiles.
+struct TileRange {
+  int slice;
+  int64_t t0, t1;
+};
+__device__ __forceinline__ TileRange tile_range(int64_t T, int rows, int per) {
+  const int range = blockIdx.x % per;
+  const int64_t ntiles = (T + rows - 1) / rows;
+  return {int(blockIdx.x / per), range * ntiles / per, (range + 1) * ntiles / per};
+}
+
+// This thread's vector j (16 bytes) of tile t of a slice (kRows × kCols bf16): its offset in x
+// and y, in vectors, and its row.
+template <int kCols, int kRows>
+__device__ __forceinline__ int64_t tile_vec(int64_t t, int j, int slice, int H, int64_t& row) {
+  constexpr int kVecsPerRow = kCols * 2 / 16;
+  const int i = threadIdx.x + kThreads * j;
+  row = t * kRows + i / kVecsPerRow;
+  return row * (int64_t(H) * 2 / 16) + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+}
+
+template <int kCols, int kRows>
+constexpr int kTileVecs = kRows * kCols * 2 / 16 / kThreads;  // per thread
+
+// A tile loaded whole, then stored. kHint: 0 streaming loads and stores (.cs), 1 plain loads
+// and stores, 2 plain loads and .cs stores.
 template <int kCols, int kRows, int kHint = 0>
 __global__ void __launch_bounds__(kThreads) tiles(const uint4* __restrict__ x, uint4* __restrict__ y,
                                                   int64_t T, int H, int per) {
-  constexpr int kVecsPerRow = kCols * 2 / 16;
-  constexpr int kVecs = kRows * kVecsPerRow / kThreads;  // per thread per tile
-  static_assert(kRows * kVecsPerRow % kThreads == 0, "whole tile");
-  const int slice = blockIdx.x / per, range = blockIdx.x % per;
-  const int64_t ntiles = (T + kRows - 1) / kRows;
-  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
-  const int64_t row_vecs = int64_t(H) * 2 / 16;
-  for (int64_t t = t0; t < t1; ++t) {
+  constexpr int kVecs = kTileVecs<kCols, kRows>;
+  static_assert(kRows * kCols * 2 / 16 % kThreads == 0, "whole tile");
+  const TileRange r = tile_range(T, kRows, per);
+  for (int64_t t = r.t0; t < r.t1; ++t) {
     uint4 v[kVecs];
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
-      const int i = threadIdx.x + kThreads * j;
-      const int64_t row = t * kRows + i / kVecsPerRow;
-      const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+      int64_t row;
+      const int64_t o = tile_vec<kCols, kRows>(t, j, r.slice, H, row);
       v[j] = row < T ? (kHint == 0 ? __ldcs(x + o) : x[o]) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
-      const int i = threadIdx.x + kThreads * j;
-      const int64_t row = t * kRows + i / kVecsPerRow;
-      const int64_t o = row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
+      int64_t row;
+      const int64_t o = tile_vec<kCols, kRows>(t, j, r.slice, H, row);
       if (row < T) {
         if (kHint == 1) y[o] = v[j];
         else __stcs(y + o, v[j]);
@@ -69,39 +90,30 @@ __global__ void __launch_bounds__(kThreads) tiles(const uint4* __restrict__ x, u
 template <int kCols, int kRows>
 __global__ void __launch_bounds__(kThreads) tiles2(const uint4* __restrict__ x, uint4* __restrict__ y,
                                                    int64_t T, int H, int per) {
-  constexpr int kVecsPerRow = kCols * 2 / 16;
-  constexpr int kVecs = kRows * kVecsPerRow / kThreads;
-  const int slice = blockIdx.x / per, range = blockIdx.x % per;
-  const int64_t ntiles = (T + kRows - 1) / kRows;
-  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
-  const int64_t row_vecs = int64_t(H) * 2 / 16;
-  auto at = [&](int64_t t, int j, int64_t& row) {
-    const int i = threadIdx.x + kThreads * j;
-    row = t * kRows + i / kVecsPerRow;
-    return row * row_vecs + int64_t(slice) * kVecsPerRow + i % kVecsPerRow;
-  };
+  constexpr int kVecs = kTileVecs<kCols, kRows>;
+  const TileRange r = tile_range(T, kRows, per);
   uint4 v[kVecs], w[kVecs];
   auto load = [&](int64_t t, uint4 (&d)[kVecs]) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       int64_t row;
-      const int64_t o = at(t, j, row);
-      d[j] = t < t1 && row < T ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
+      const int64_t o = tile_vec<kCols, kRows>(t, j, r.slice, H, row);
+      d[j] = t < r.t1 && row < T ? __ldcs(x + o) : make_uint4(0, 0, 0, 0);
     }
   };
   auto store = [&](int64_t t, const uint4 (&d)[kVecs]) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       int64_t row;
-      const int64_t o = at(t, j, row);
+      const int64_t o = tile_vec<kCols, kRows>(t, j, r.slice, H, row);
       if (row < T) __stcs(y + o, d[j]);
     }
   };
-  load(t0, v);
-  for (int64_t t = t0; t < t1; t += 2) {
+  load(r.t0, v);
+  for (int64_t t = r.t0; t < r.t1; t += 2) {
     load(t + 1, w);
     store(t, v);
-    if (t + 1 >= t1) break;
+    if (t + 1 >= r.t1) break;
     load(t + 2, v);
     store(t + 1, w);
   }
@@ -124,9 +136,7 @@ __global__ void __launch_bounds__(32) tiles_tma(const __grid_constant__ CUtensor
   extern __shared__ __align__(128) char ring[];  // kStages tiles
   __shared__ __align__(8) uint64_t full[kStages];
   const int lane = threadIdx.x;
-  const int slice = blockIdx.x / per, range = blockIdx.x % per;
-  const int64_t ntiles = (T + kRows - 1) / kRows;
-  const int64_t t0 = range * ntiles / per, t1 = (range + 1) * ntiles / per;
+  const auto [slice, t0, t1] = tile_range(T, kRows, per);
   if (lane == 0) {
     for (int i = 0; i < kStages; ++i)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[i])));
@@ -277,6 +287,8 @@ int main(int argc, char** argv) {
   const int slices = H / cols, grid = slices * per;
   const int sets = 4;
   const size_t bytes = size_t(T) * H * 2;
+  const double mb = 2.0 * bytes;  // x read and y written
+  auto tbps = [&](double us) { return mb / us * 1e-6; };
   std::vector<uint4*> x(sets), y(sets);
   for (int s = 0; s < sets; ++s) {
     CK(cudaMalloc(&x[s], bytes));
@@ -302,77 +314,70 @@ int main(int argc, char** argv) {
   if (rows == 128 && (cols == 64 || cols == 128)) {
     std::vector<CUtensorMap> mx(sets), my(sets);
     for (int s = 0; s < sets; ++s) mx[s] = tensor_map(x[s], T, H, cols), my[s] = tensor_map(y[s], T, H, cols);
-    auto tma = [&](auto cols_c, auto stages_c) {
-      constexpr int C = decltype(cols_c)::value, S = decltype(stages_c)::value;
-      const int smem = S * 128 * C * 2;
-      CK(cudaFuncSetAttribute(tiles_tma<C, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      return time_us([&](int s) { tiles_tma<C, S><<<grid, 32, smem>>>(mx[s], my[s], T, per); }, sets);
-    };
-    if (cols == 128) {
-      tb[0] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 3>{});
-      tb[1] = tma(std::integral_constant<int, 128>{}, std::integral_constant<int, 6>{});
-      auto hinted = [&](auto lh, auto sh) {
-        constexpr int L = decltype(lh)::value, S = decltype(sh)::value;
-        constexpr int smem = 3 * 128 * 128 * 2;
-        CK(cudaFuncSetAttribute(tiles_tma<128, 3, L, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        const float us = time_us([&](int s) { tiles_tma<128, 3, L, S><<<grid, 32, smem>>>(mx[s], my[s], T, per); }, sets);
-        printf("T=%lld: TMA, 96 KB ring, load hint %d store hint %d (1 evict-first, 2 evict-last): %.2f us %.2f TB/s\n",
-               (long long)T, L, S, us, 4.0 * double(T) * H / us * 1e-6);
+    // A launcher of tiles_tma<C, S, L, SH, D> on set s, its shared memory allowed.
+    auto tma = [&](auto c, auto stages, auto load_hint, auto store_hint, auto demote) {
+      constexpr int C = decltype(c)::value, S = decltype(stages)::value;
+      constexpr int L = decltype(load_hint)::value, SH = decltype(store_hint)::value;
+      constexpr bool D = decltype(demote)::value;
+      constexpr int smem = S * 128 * C * 2;
+      CK(cudaFuncSetAttribute(tiles_tma<C, S, L, SH, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      return [&](int s) {
+        tiles_tma<C, S, L, SH, D><<<grid, 32, smem>>>(mx[s], my[s], T, per,
+                                                     reinterpret_cast<const char*>(x[s]), H);
       };
-      using I0 = std::integral_constant<int, 0>;
-      using I1 = std::integral_constant<int, 1>;
-      using I2 = std::integral_constant<int, 2>;
-      hinted(I1{}, I0{}); hinted(I2{}, I0{}); hinted(I0{}, I1{}); hinted(I1{}, I1{}); hinted(I2{}, I1{}); hinted(I0{}, I2{});
-      {  // evict-last loads with the x lines demoted after use
-        constexpr int smem = 3 * 128 * 128 * 2;
-        CK(cudaFuncSetAttribute(tiles_tma<128, 3, 2, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        const float us = time_us([&](int s) {
-          tiles_tma<128, 3, 2, 1, true><<<grid, 32, smem>>>(mx[s], my[s], T, per, reinterpret_cast<const char*>(x[s]), H);
-        }, sets);
-        printf("T=%lld: TMA, load evict-last demoted after use, store evict-first: %.2f us %.2f TB/s\n",
-               (long long)T, us, 4.0 * double(T) * H / us * 1e-6);
-      }
+    };
+    const std::false_type plain;
+    if (cols == 128) {
+      tb[0] = time_us(tma(I<128>{}, I<3>{}, I<0>{}, I<0>{}, plain), sets);
+      tb[1] = time_us(tma(I<128>{}, I<6>{}, I<0>{}, I<0>{}, plain), sets);
+      auto hinted = [&](auto load_hint, auto store_hint) {
+        const float us = time_us(tma(I<128>{}, I<3>{}, load_hint, store_hint, plain), sets);
+        printf("T=%lld: TMA, 96 KB ring, load hint %d store hint %d (1 evict-first, 2 evict-last): %.2f us %.2f TB/s\n",
+               (long long)T, decltype(load_hint)::value, decltype(store_hint)::value, us, tbps(us));
+      };
+      hinted(I<1>{}, I<0>{}); hinted(I<2>{}, I<0>{}); hinted(I<0>{}, I<1>{});
+      hinted(I<1>{}, I<1>{}); hinted(I<2>{}, I<1>{}); hinted(I<0>{}, I<2>{});
+      // Evict-last loads with the x lines demoted after use.
+      const auto demoted = tma(I<128>{}, I<3>{}, I<2>{}, I<1>{}, std::true_type{});
+      const float us = time_us(demoted, sets);
+      printf("T=%lld: TMA, load evict-last demoted after use, store evict-first: %.2f us %.2f TB/s\n",
+             (long long)T, us, tbps(us));
       // What a following kernel finds in L2: after one copy, a 24 MB buffer read twice; the
       // second read's time (median of 5).
-      {
-        const int64_t pn = 24ll * 1024 * 1024 / 16;
-        uint4* pb;
-        unsigned* po;
-        CK(cudaMalloc(&pb, pn * 16));
-        CK(cudaMalloc(&po, 4));
-        CK(cudaMemset(pb, 1, pn * 16));
-        cudaEvent_t a, b;
-        CK(cudaEventCreate(&a));
-        CK(cudaEventCreate(&b));
-        auto after = [&](const char* name, auto copy) {
-          std::vector<float> v;
-          for (int r = 0; r < 5; ++r) {
-            copy();
-            probe<<<264, 512>>>(pb, pn, po);
-            CK(cudaEventRecord(a));
-            probe<<<264, 512>>>(pb, pn, po);
-            CK(cudaEventRecord(b));
-            CK(cudaEventSynchronize(b));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, a, b));
-            v.push_back(ms * 1000);
-          }
-          std::sort(v.begin(), v.end());
-          printf("T=%lld: 24 MB re-read after a copy with %s: %.2f us\n", (long long)T, name, v[2]);
-        };
-        constexpr int smem = 3 * 128 * 128 * 2;
-        after("no hints", [&] { tiles_tma<128, 3, 0, 0><<<grid, 32, smem>>>(mx[0], my[0], T, per); });
-        after("evict-last loads, evict-first stores", [&] { tiles_tma<128, 3, 2, 1><<<grid, 32, smem>>>(mx[0], my[0], T, per); });
-        after("the same, x demoted after use", [&] {
-          tiles_tma<128, 3, 2, 1, true><<<grid, 32, smem>>>(mx[0], my[0], T, per, reinterpret_cast<const char*>(x[0]), H);
-        });
-        after("no copy", [&] {});
-        CK(cudaFree(pb));
-        CK(cudaFree(po));
-      }
+      const int64_t pn = 24ll * 1024 * 1024 / 16;
+      uint4* pb;
+      unsigned* po;
+      CK(cudaMalloc(&pb, pn * 16));
+      CK(cudaMalloc(&po, 4));
+      CK(cudaMemset(pb, 1, pn * 16));
+      cudaEvent_t a, b;
+      CK(cudaEventCreate(&a));
+      CK(cudaEventCreate(&b));
+      auto after = [&](const char* name, auto copy) {
+        std::vector<float> v;
+        for (int r = 0; r < 5; ++r) {
+          copy(0);
+          probe<<<264, 512>>>(pb, pn, po);
+          CK(cudaEventRecord(a));
+          probe<<<264, 512>>>(pb, pn, po);
+          CK(cudaEventRecord(b));
+          CK(cudaEventSynchronize(b));
+          float ms;
+          CK(cudaEventElapsedTime(&ms, a, b));
+          v.push_back(ms * 1000);
+        }
+        std::sort(v.begin(), v.end());
+        printf("T=%lld: 24 MB re-read after a copy with %s: %.2f us\n", (long long)T, name, v[2]);
+      };
+      after("no hints", tma(I<128>{}, I<3>{}, I<0>{}, I<0>{}, plain));
+      after("evict-last loads, evict-first stores", tma(I<128>{}, I<3>{}, I<2>{}, I<1>{}, plain));
+      after("the same, x demoted after use", demoted);
+      after("no copy", [](int) {});
+      CK(cudaFree(pb));
+      CK(cudaFree(po));
     } else {
-      tb[0] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 6>{});
-      tb[1] = tma(std::integral_constant<int, 64>{}, std::integral_constant<int, 12>{});
+      tb[0] = time_us(tma(I<64>{}, I<6>{}, I<0>{}, I<0>{}, plain), sets);
+      tb[1] = time_us(tma(I<64>{}, I<12>{}, I<0>{}, I<0>{}, plain), sets);
     }
   }
   CK(cudaGetLastError());
@@ -380,17 +385,15 @@ int main(int argc, char** argv) {
   const float tc = time_us([&](int s) { contiguous<<<grid, kThreads>>>(x[s], y[s], n); }, sets);
   const float tc132 = time_us([&](int s) { contiguous<<<132, kThreads>>>(x[s], y[s], n); }, sets);
   CK(cudaGetLastError());
-  const double mb = 2.0 * bytes;
   if (cols == 128 && rows == 128) {  // cache hints, and the runtime's own copy of the same bytes
     const float h1 = time_us([&](int s) { tiles<128, 128, 1><<<grid, kThreads>>>(x[s], y[s], T, H, per); }, sets);
     const float h2 = time_us([&](int s) { tiles<128, 128, 2><<<grid, kThreads>>>(x[s], y[s], T, H, per); }, sets);
     const float mc = time_us([&](int s) { CK(cudaMemcpyAsync(y[s], x[s], bytes, cudaMemcpyDeviceToDevice)); }, sets);
     printf("T=%lld: pattern with plain loads and stores %.2f TB/s, plain loads and .cs stores %.2f TB/s; cudaMemcpy %.2f us %.2f TB/s\n",
-           (long long)T, mb / h1 * 1e-6, mb / h2 * 1e-6, mc, mb / mc * 1e-6);
+           (long long)T, tbps(h1), tbps(h2), mc, tbps(mc));
   }
   printf("T=%lld H=%d cols=%d rows=%d per=%d grid=%d: pattern %.2f us %.2f TB/s | two tiles in flight %.2f us %.2f TB/s | TMA boxes, ring of 96 / 192 KB %.2f / %.2f TB/s | contiguous (same grid) %.2f us %.2f TB/s | contiguous 132 CTAs %.2f us %.2f TB/s\n",
-         (long long)T, H, cols, rows, per, grid, tp, mb / tp * 1e-6, tp2, tp2 > 0 ? mb / tp2 * 1e-6 : 0.0,
-         tb[0] > 0 ? mb / tb[0] * 1e-6 : 0.0, tb[1] > 0 ? mb / tb[1] * 1e-6 : 0.0, tc, mb / tc * 1e-6, tc132,
-         mb / tc132 * 1e-6);
+         (long long)T, H, cols, rows, per, grid, tp, tbps(tp), tp2, tp2 > 0 ? tbps(tp2) : 0.0,
+         tb[0] > 0 ? tbps(tb[0]) : 0.0, tb[1] > 0 ? tbps(tb[1]) : 0.0, tc, tbps(tc), tc132, tbps(tc132));
   return 0;
 }
