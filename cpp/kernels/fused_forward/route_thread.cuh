@@ -73,11 +73,22 @@ struct ThreadRoute {
         // min/max only.
         uint32_t k1 = 0, k2 = 0;
         const int e0 = g * per_group;
-#pragma unroll 4  // loads of several members in flight
-        for (int e = e0; e < e0 + per_group; ++e) {
-          const uint32_t k = choice_key(s[e] + bias[e]);
+        auto scan = [&](float c) {
+          const uint32_t k = choice_key(c);
           k2 = umax(k2, umin(k1, k));
           k1 = umax(k1, k);
+        };
+        if (per_group % 4 == 0) {  // 16-byte vectors: a quarter of the shared-memory loads
+          const float4* s4 = reinterpret_cast<const float4*>(s + e0);
+          const float4* b4 = reinterpret_cast<const float4*>(bias + e0);
+#pragma unroll 2
+          for (int v = 0; v < per_group / 4; ++v) {
+            const float4 sv = s4[v], bv = b4[v];
+            scan(sv.x + bv.x), scan(sv.y + bv.y), scan(sv.z + bv.z), scan(sv.w + bv.w);
+          }
+        } else {
+#pragma unroll 4  // loads of several members in flight
+          for (int e = e0; e < e0 + per_group; ++e) scan(s[e] + bias[e]);
         }
         group_keys[g * stride] = choice_key(key_value(k1) + key_value(k2));
       }
@@ -125,13 +136,29 @@ struct ThreadRoute {
       const int total = p.topk_group * per_group;
       const int p0 = sub * total / kLanes, p1 = (sub + 1) * total / kLanes;
       int g = nth_set_bit(kept, p0 / per_group), off = p0 % per_group;
+      if (per_group % 4 == 0 && total % (4 * kLanes) == 0) {
+        // 16-byte vectors: shares and groups start at multiples of 4.
+#pragma unroll 2
+        for (int q = p0; q < p1; q += 4) {
+          const int e = g * per_group + off;
+          const float4 sv = *reinterpret_cast<const float4*>(s + e);
+          const float4 bv = *reinterpret_cast<const float4*>(bias + e);
+          insert(sv.x + bv.x, e), insert(sv.y + bv.y, e + 1);
+          insert(sv.z + bv.z, e + 2), insert(sv.w + bv.w, e + 3);
+          if ((off += 4) == per_group) {  // the next kept group
+            off = 0;
+            g = __ffs(kept & ~((2u << g) - 1u)) - 1;
+          }
+        }
+      } else {
 #pragma unroll 4
-      for (int q = p0; q < p1; ++q) {
-        const int e = g * per_group + off;
-        insert(s[e] + bias[e], e);
-        if (++off == per_group) {  // the next kept group
-          off = 0;
-          g = __ffs(kept & ~((2u << g) - 1u)) - 1;
+        for (int q = p0; q < p1; ++q) {
+          const int e = g * per_group + off;
+          insert(s[e] + bias[e], e);
+          if (++off == per_group) {  // the next kept group
+            off = 0;
+            g = __ffs(kept & ~((2u << g) - 1u)) - 1;
+          }
         }
       }
     } else {
@@ -185,8 +212,7 @@ struct ThreadRoute {
       for (int j = 0; j < kMaxTopK; ++j) idx[j] = key_index(m[j]);
     }
 
-    // Weights in selection order (the sum's order is fixed: the same bits every run); lane sub
-    // writes entries sub, sub + kLanes, ...
+    // Weights in selection order (the sum's order is fixed: the same bits every run).
     float sel[kMaxTopK];
     float sum = 0.0f;
 #pragma unroll
@@ -195,6 +221,50 @@ struct ThreadRoute {
       sum += sel[j];
     }
     if (!valid) return;
+    // top_k = kMaxTopK: lane sub writes entries [sub·n, (sub + 1)·n), n = kMaxTopK / kLanes, as
+    // one 8- or 16-byte vector per output, where the outputs are aligned for it: whole sectors
+    // per warp, a quarter of the store instructions of one entry per store.
+    constexpr int kPerLane = kMaxTopK / kLanes;
+    if constexpr (kPerLane == 4 || kPerLane == 2) {
+      constexpr uintptr_t kAlign = kPerLane * 4 - 1;
+      if (p.top_k == kMaxTopK && ((reinterpret_cast<uintptr_t>(out.topk_idx) |
+                                   reinterpret_cast<uintptr_t>(out.topk_weights) |
+                                   reinterpret_cast<uintptr_t>(out.topk_scores)) & kAlign) == 0) {
+        int iv[kPerLane];
+        float sv[kPerLane], wv[kPerLane];
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u) iv[u] = idx[u], sv[u] = sel[u];
+#pragma unroll
+        for (int q = 1; q < kLanes; ++q) {  // register indices stay compile-time
+          if (sub == q) {
+#pragma unroll
+            for (int u = 0; u < kPerLane; ++u) iv[u] = idx[q * kPerLane + u], sv[u] = sel[q * kPerLane + u];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u) {
+          wv[u] = sv[u];
+          if (p.norm) wv[u] = sv[u] / (sum + 1e-20f);
+          wv[u] *= p.scale;
+        }
+        const int64_t o = t * kMaxTopK + sub * kPerLane;
+        if constexpr (kPerLane == 4) {
+          *reinterpret_cast<int4*>(out.topk_idx + o) = make_int4(iv[0], iv[1], iv[2], iv[3]);
+          *reinterpret_cast<float4*>(out.topk_weights + o) = make_float4(wv[0], wv[1], wv[2], wv[3]);
+          *reinterpret_cast<float4*>(out.topk_scores + o) = make_float4(sv[0], sv[1], sv[2], sv[3]);
+        } else {
+          *reinterpret_cast<int2*>(out.topk_idx + o) = make_int2(iv[0], iv[1]);
+          *reinterpret_cast<float2*>(out.topk_weights + o) = make_float2(wv[0], wv[1]);
+          *reinterpret_cast<float2*>(out.topk_scores + o) = make_float2(sv[0], sv[1]);
+        }
+        if (out.counts) {
+#pragma unroll
+          for (int u = 0; u < kPerLane; ++u) atomicAdd(out.counts + iv[u], 1);
+        }
+        return;
+      }
+    }
+    // Else lane sub writes entries sub, sub + kLanes, ...
 #pragma unroll
     for (int j = 0; j < kMaxTopK; ++j) {
       if (j < p.top_k && j % kLanes == sub) {
