@@ -3,5 +3,5 @@
 set -euo pipefail
 source "$(dirname "$0")/../toolchain.sh"
 "$nvcc" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -DNDEBUG --expt-relaxed-constexpr \
-  ${EXTRA_FLAGS:-} -I "$root/cpp/include" -I "$root/cpp" -I "$cutlass" \
+  -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED ${EXTRA_FLAGS:-} -I "$root/cpp/include" -I "$root/cpp" -I "$cutlass" \
   "$root/tools/route_bench/route_bench.cu" -o "$root/tools/route_bench/route_bench" "${cuda_link[@]}"

@@ -14,13 +14,15 @@
 
 #include <cuda_runtime.h>
 
+#include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/route_thread.cuh"
 
 using namespace moe_routing::kernels::fused_forward;
 
-namespace {
+namespace route_bench {
 
-constexpr int kExperts = 160, kRows = 128, kStride = kExperts + 4, kScratch = 64, kReps = 4;
+constexpr int kExperts = 160, kRows = 128, kScratch = 64, kReps = 4;
+constexpr int kStride = Config<kExperts>::kRedStride;  // the kernel's row stride
 constexpr int kCtas = 132;
 
 __device__ unsigned long long g_stamp[kCtas * (kReps + 1)];
@@ -69,7 +71,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }                                                                                 \
   } while (0)
 
-}  // namespace
+}  // namespace route_bench
+using namespace route_bench;
 
 int main(int argc, char** argv) {
   const int n_group = argc > 1 ? std::atoi(argv[1]) : 8;

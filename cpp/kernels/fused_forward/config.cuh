@@ -79,10 +79,11 @@ struct Config {
                 "one wgmma spans all experts");
 
   // Reduction buffer (fp32): [kTileT rows][kRedStride], this CTA's partial logits; the rows
-  // the CTA owns are then overwritten with their sums, then their scores. The +4 padding makes
-  // the few-lanes routing's 16-byte row reads (route_thread.cuh) bank-conflict free; the
-  // accumulator's pair stores, once per tile, conflict 2-way.
-  static constexpr int kRedStride = kExperts + 4;
+  // the CTA owns are then overwritten with their sums, then their scores. Rows 8 banks apart
+  // (E % 32 == 0 or 8 or 24 mod 32 with the +8): the accumulator's 8-byte pair stores (4 rows
+  // × 32 bytes per half-warp) are conflict free, and so are the few-lanes routing's 16-byte
+  // reads at 2 lanes per token (4 tokens × 2 lanes per quarter-warp, route_thread.cuh).
+  static constexpr int kRedStride = kExperts + 8;
   // After it, one scratch row per token of a warp-routing pass (64 tokens), or the per-token
   // group keys of the few-lanes routing.
   static constexpr int kScratchRows = 64;

@@ -162,16 +162,16 @@ struct ThreadRoute {
         }
       }
     } else {
-      // Every expert: lane sub takes a contiguous share, as 16-byte vectors.
-      constexpr int kShare = kExperts / kLanes;
-      static_assert(kShare % 4 == 0, "whole vectors per lane");
-      const int first = sub * kShare;
-      const float4* s4 = reinterpret_cast<const float4*>(s + first);
-      const float4* b4 = reinterpret_cast<const float4*>(bias + first);
+      // Every expert: lane sub takes every kLanes-th 16-byte vector from the sub-th on (in
+      // ascending order), so that a quarter-warp's reads fall in distinct banks.
+      constexpr int kVecs = kExperts / 4 / kLanes;
+      static_assert(kExperts % (4 * kLanes) == 0, "whole vectors per lane");
+      const float4* s4 = reinterpret_cast<const float4*>(s) + sub;
+      const float4* b4 = reinterpret_cast<const float4*>(bias) + sub;
 #pragma unroll 2
-      for (int v = 0; v < kShare / 4; ++v) {
-        const float4 sv = s4[v], bv = b4[v];
-        const int e = first + 4 * v;
+      for (int v = 0; v < kVecs; ++v) {
+        const float4 sv = s4[v * kLanes], bv = b4[v * kLanes];
+        const int e = 4 * (v * kLanes + sub);
         insert(sv.x + bv.x, e);
         insert(sv.y + bv.y, e + 1);
         insert(sv.z + bv.z, e + 2);
