@@ -136,6 +136,12 @@ struct ThreadRoute {
       const int total = p.topk_group * per_group;
       const int p0 = sub * total / kLanes, p1 = (sub + 1) * total / kLanes;
       int g = nth_set_bit(kept, p0 / per_group), off = p0 % per_group;
+      auto advance = [&](int n) {  // n members on; past the group's end, the next kept group
+        if ((off += n) == per_group) {
+          off = 0;
+          g = __ffs(kept & ~((2u << g) - 1u)) - 1;
+        }
+      };
       if (per_group % 4 == 0 && total % (4 * kLanes) == 0) {
         // 16-byte vectors: shares and groups start at multiples of 4.
 #pragma unroll 2
@@ -145,20 +151,14 @@ struct ThreadRoute {
           const float4 bv = *reinterpret_cast<const float4*>(bias + e);
           insert(sv.x + bv.x, e), insert(sv.y + bv.y, e + 1);
           insert(sv.z + bv.z, e + 2), insert(sv.w + bv.w, e + 3);
-          if ((off += 4) == per_group) {  // the next kept group
-            off = 0;
-            g = __ffs(kept & ~((2u << g) - 1u)) - 1;
-          }
+          advance(4);
         }
       } else {
 #pragma unroll 4
         for (int q = p0; q < p1; ++q) {
           const int e = g * per_group + off;
           insert(s[e] + bias[e], e);
-          if (++off == per_group) {  // the next kept group
-            off = 0;
-            g = __ffs(kept & ~((2u << g) - 1u)) - 1;
-          }
+          advance(1);
         }
       }
     } else {
@@ -221,6 +221,7 @@ struct ThreadRoute {
       sum += sel[j];
     }
     if (!valid) return;
+    auto weight = [&](float v) { return (p.norm ? v / (sum + 1e-20f) : v) * p.scale; };
     // top_k = kMaxTopK: lane sub writes entries [sub·n, (sub + 1)·n), n = kMaxTopK / kLanes, as
     // one 8- or 16-byte vector per output, where the outputs are aligned for it: whole sectors
     // per warp, a quarter of the store instructions of one entry per store.
@@ -231,7 +232,7 @@ struct ThreadRoute {
                                    reinterpret_cast<uintptr_t>(out.topk_weights) |
                                    reinterpret_cast<uintptr_t>(out.topk_scores)) & kAlign) == 0) {
         int iv[kPerLane];
-        float sv[kPerLane], wv[kPerLane];
+        float sv[kPerLane];
 #pragma unroll
         for (int u = 0; u < kPerLane; ++u) iv[u] = idx[u], sv[u] = sel[u];
 #pragma unroll
@@ -241,12 +242,9 @@ struct ThreadRoute {
             for (int u = 0; u < kPerLane; ++u) iv[u] = idx[q * kPerLane + u], sv[u] = sel[q * kPerLane + u];
           }
         }
+        float wv[kPerLane];
 #pragma unroll
-        for (int u = 0; u < kPerLane; ++u) {
-          wv[u] = sv[u];
-          if (p.norm) wv[u] = sv[u] / (sum + 1e-20f);
-          wv[u] *= p.scale;
-        }
+        for (int u = 0; u < kPerLane; ++u) wv[u] = weight(sv[u]);
         const int64_t o = t * kMaxTopK + sub * kPerLane;
         if constexpr (kPerLane == 4) {
           *reinterpret_cast<int4*>(out.topk_idx + o) = make_int4(iv[0], iv[1], iv[2], iv[3]);
@@ -268,12 +266,9 @@ struct ThreadRoute {
 #pragma unroll
     for (int j = 0; j < kMaxTopK; ++j) {
       if (j < p.top_k && j % kLanes == sub) {
-        float wgt = sel[j];
-        if (p.norm) wgt = sel[j] / (sum + 1e-20f);
-        wgt *= p.scale;
         const int64_t o = t * p.top_k + j;
         out.topk_idx[o] = idx[j];
-        out.topk_weights[o] = wgt;
+        out.topk_weights[o] = weight(sel[j]);
         out.topk_scores[o] = sel[j];
         if (out.counts) atomicAdd(out.counts + idx[j], 1);
       }
