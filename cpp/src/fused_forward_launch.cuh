@@ -11,12 +11,12 @@ namespace moe_routing::detail {
 
 namespace fused_forward_impl {
 
-// TMA descriptors and parameters of the E-expert kernel.
-template <int kExperts>
+// TMA descriptors and parameters of the E-expert kernel with kTileT-token tiles.
+template <int kExperts, int kTileT>
 auto make_params(const cutlass::bfloat16_t* x, const cutlass::bfloat16_t* w, int64_t tokens,
                  int64_t hidden) {
   using namespace cute;
-  using Cfg = kernels::fused_forward::Config<kExperts>;
+  using Cfg = kernels::fused_forward::Config<kExperts, kTileT>;
   // (T, H) and (E, H), h contiguous: K-major operands.
   Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(tokens), int(hidden)),
                           make_stride(hidden, _1{}));
@@ -28,32 +28,25 @@ auto make_params(const cutlass::bfloat16_t* x, const cutlass::bfloat16_t* w, int
   return P{tma_x, tma_w};
 }
 
-template <int kExperts>
+template <int kExperts, int kTileT>
 struct Kernel {
-  using Cfg = kernels::fused_forward::Config<kExperts>;
+  using Cfg = kernels::fused_forward::Config<kExperts, kTileT>;
   using Elem = typename Cfg::Elem;
-  using P = decltype(make_params<kExperts>(nullptr, nullptr, 1, 64));
+  using P = decltype(make_params<kExperts, kTileT>(nullptr, nullptr, 1, 64));
 
   static constexpr auto kernel = kernels::fused_forward::fused_forward_sm90<Cfg, P>;
   static constexpr bool kLargeClusters = true;  // clusters of 16 where the device has them
 };
 
-}  // namespace fused_forward_impl
-
-template <int kExperts>
-int fused_forward_active_clusters(int split, int device) {
-  return max_active_clusters<fused_forward_impl::Kernel<kExperts>>(split, device);
-}
-
-template <int kExperts>
-Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int device,
-                              const ForwardPlan& plan, cudaStream_t stream) {
-  using K = fused_forward_impl::Kernel<kExperts>;
+template <int kExperts, int kTileT>
+Status launch(const RouterConfig& cfg, const ForwardArgs& a, int device, const ForwardPlan& plan,
+              cudaStream_t stream) {
+  using K = Kernel<kExperts, kTileT>;
   using Cfg = typename K::Cfg;
   using Elem = typename K::Elem;
   if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
 
-  typename K::P p = fused_forward_impl::make_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
+  typename K::P p = make_params<kExperts, kTileT>(reinterpret_cast<const Elem*>(a.x.data),
                                    reinterpret_cast<const Elem*>(a.w.data), a.tokens,
                                    cfg.hidden_size);
   p.bias = a.bias.data;
@@ -88,6 +81,24 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
   };
   if (Status s = launch(0, plan.tiles, plan.split); s != Status::kSuccess || !tail) return s;
   return launch(plan.tiles, tiles - plan.tiles, plan.tail_split);
+}
+
+}  // namespace fused_forward_impl
+
+template <int kExperts>
+int fused_forward_active_clusters(int split, int tile_t, int device) {
+  using namespace fused_forward_impl;
+  return tile_t == 64 ? max_active_clusters<Kernel<kExperts, 64>>(split, device)
+                      : max_active_clusters<Kernel<kExperts, 128>>(split, device);
+}
+
+template <int kExperts>
+Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int device,
+                              const ForwardPlan& plan, cudaStream_t stream) {
+  using namespace fused_forward_impl;
+  if (plan.tile_t == 64) return launch<kExperts, 64>(cfg, a, device, plan, stream);
+  if (plan.tile_t == 128) return launch<kExperts, 128>(cfg, a, device, plan, stream);
+  return Status::kUnsupported;
 }
 
 }  // namespace moe_routing::detail

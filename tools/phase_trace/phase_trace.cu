@@ -11,6 +11,7 @@
 //   phase_trace fwd T SPLIT [TILES TAIL]  the forward, clusters of SPLIT CTAs per 128-token
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
+//                                      (FWD_TILE=64: 64-token tiles)
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
 // kept).
@@ -148,12 +149,15 @@ int main(int argc, char** argv) {
       a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};
       a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
       const int split = argc > 3 ? atoi(argv[3]) : 1;
-      grid = int(argc > 5 ? std::max(atoll(argv[4]) * split, ((T + 127) / 128 - atoll(argv[4])) * atoi(argv[5]))
-                          : (T + 127) / 128 * split);
+      const int tile_t = getenv("FWD_TILE") ? atoi(getenv("FWD_TILE")) : 128;  // 128 or 64
+      const int64_t tiles = (T + tile_t - 1) / tile_t;
+      grid = int(argc > 5 ? std::max(atoll(argv[4]) * split, (tiles - atoll(argv[4])) * atoi(argv[5]))
+                          : tiles * split);
       if (grid > kMaxCtas) return -1;
       detail::ForwardPlan pl;
+      pl.tile_t = tile_t;
       pl.split = split;
-      pl.tiles = argc > 5 ? atoll(argv[4]) : (T + 127) / 128;
+      pl.tiles = argc > 5 ? atoll(argv[4]) : tiles;
       pl.tail_split = argc > 5 ? atoi(argv[5]) : 0;
       return int(detail::launch_fused_forward_e<160>(cfg, a, 0, pl, st));
     }

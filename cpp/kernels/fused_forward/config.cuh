@@ -1,12 +1,14 @@
 // Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
 //
-// A cluster of kSplit CTAs owns one tile of kTileT tokens and all E experts; CTA r of the
-// cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
+// A cluster of kSplit CTAs owns one tile of kTileT tokens (128, or 64 at small T) and all E
+// experts; CTA r of the cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the
+// B = ⌈H/kTileH⌉ blocks.
 // Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
 //   sX  (t, h, stage)  the x tile              wgmma A
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B
-// Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers,
-// 64 tokens each. After the main loop the pipeline buffers are reused as the reduction
+// Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers:
+// 64 tokens × E each in 128-token tiles, 64 tokens × E/2 each in 64-token tiles (whose
+// partials, half the bytes, cross the cluster network in half the time). After the main loop the pipeline buffers are reused as the reduction
 // buffer: every CTA stores its partial logits there, and the CTA that owns a row range reads
 // those rows from every CTA of the cluster (distributed shared memory) and sums them in rank
 // order.
@@ -31,15 +33,20 @@ CUTE_HOST_DEVICE constexpr auto wgmma_atom() {
   if constexpr (kN == 160) return MMA_64x160x16_F32BF16BF16_SS<K, K>{};
   else if constexpr (kN == 256) return MMA_64x256x16_F32BF16BF16_SS<K, K>{};
   else if constexpr (kN == 128) return MMA_64x128x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 80) return MMA_64x80x16_F32BF16BF16_SS<K, K>{};
   else if constexpr (kN == 64) return MMA_64x64x16_F32BF16BF16_SS<K, K>{};
+  else if constexpr (kN == 32) return MMA_64x32x16_F32BF16BF16_SS<K, K>{};
   else return ss_op_selector<cutlass::bfloat16_t, cutlass::bfloat16_t, float,
                              Shape<_64, Int<kN>, _64>, K, K>();
 }
 
-template <int kExperts_>
+template <int kExperts_, int kTileT_ = 128>
 struct Config {
   static constexpr int kExperts = kExperts_;
-  static constexpr int kTileT = 128;  // tokens per tile: 64 per consumer warpgroup
+  static constexpr int kTileT = kTileT_;  // tokens per tile
+  static_assert(kTileT == 128 || kTileT == 64, "two warpgroups along t, or along e");
+  // Consumer warpgroups along (t, e): 2 × 1 (64 tokens × E each) or 1 × 2 (64 × E/2).
+  static constexpr int kWgT = kTileT / 64, kWgE = 2 / kWgT;
   static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
   // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256.
   static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * 2;  // bf16 x and w tiles
@@ -70,13 +77,14 @@ struct Config {
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                              Shape<Experts, TileH, Stages>{}));
 
-  // 128 × E per CTA, two warpgroups along t, one 64×E×16 wgmma per k-step. Named directly:
+  // kTileT × E per CTA, one 64×(E/kWgE)×16 wgmma per warpgroup and k-step. Named directly:
   // ss_op_selector offers N = E only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED and would
   // otherwise tile E = 160 with five 64×32 atoms, reading A from shared memory five times.
-  using MmaAtom = decltype(wgmma_atom<kExperts>());
-  using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_2, _1, _1>>{}));
-  static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) == kExperts,
-                "one wgmma spans all experts");
+  static_assert(kExperts % (8 * kWgE) == 0, "each warpgroup's share of E is a wgmma N");
+  using MmaAtom = decltype(wgmma_atom<kExperts / kWgE>());
+  using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<Int<kWgT>, Int<kWgE>, _1>>{}));
+  static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) * kWgE == kExperts,
+                "one wgmma per warpgroup spans its experts");
 
   // Reduction buffer (fp32): [kTileT rows][kRedStride], this CTA's partial logits; the rows
   // the CTA owns are then overwritten with their sums, then their scores. Rows 8 banks apart

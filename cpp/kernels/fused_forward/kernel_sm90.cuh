@@ -1,18 +1,19 @@
 // The fused forward kernel (sm90a): logits = x·wᵀ (bf16 → fp32) and the whole routing in one pass.
 //
-// Grid: kSplit CTAs per 128-token tile of tiles [tile0, tile0 + grid / kSplit), in clusters of
+// Grid: kSplit CTAs per kTileT-token tile of tiles [tile0, tile0 + grid / kSplit), in clusters of
 // kSplit (cluster size 1, 2, 3, 4, 6, 8 or 16, chosen per T by the host so that the grid fills
 // the SMs; a partly filled last wave may go to a second launch with a larger split); the
 // cluster owns one tile and splits the hidden dimension among its CTAs.
 // Warp roles (three warpgroups, one CTA per SM):
 //   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
-//   consumers  (warpgroups 1, 2): wgmma 64×E×16, fp32 accumulators in registers.
+//   consumers  (warpgroups 1, 2): wgmma 64×E×16 (128-token tiles) or 64×(E/2)×16 (64-token
+//                                  tiles), fp32 accumulators in registers.
 // Then, with no global traffic:
 //   barrier 1       the CTA's consumers are past the main loop: its pipeline smem may be
 //                   overwritten (CTA-local: no CTA waits for the cluster's slowest main loop)
 //   each consumer stores its partial logits (all kTileT rows) into its own CTA's buffer
 //   cluster sync 2  every partial is in place
-//   the owner of rows [⌊r·128/kSplit⌋, ⌊(r+1)·128/kSplit⌋) (rank r) reads those rows from every
+//   the owner of rows [⌊r·kTileT/kSplit⌋, ⌊(r+1)·kTileT/kSplit⌋) (rank r) reads those rows from every
 //   CTA of the cluster (16-byte distributed-shared-memory loads, all of a thread's in flight at
 //   once: split_sum.cuh), sums them in rank order (the same bits every run) over its own copy
 //   of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores (from the
