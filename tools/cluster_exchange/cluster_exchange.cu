@@ -24,6 +24,7 @@
 #include <vector>
 
 #include <cuda_runtime.h>
+#include <cutlass/arch/barrier.h>
 
 #include "kernels/cluster.cuh"
 #include "kernels/fused_forward/split_sum.cuh"
@@ -46,26 +47,11 @@ __device__ __forceinline__ unsigned long long now() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-// Traps after ~1 s rather than hang where bytes go missing.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  for (long n = 0;; ++n) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    if (done) return;
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+// Barrier::wait, but traps after ~1 s rather than hang where bytes go missing.
+__device__ __forceinline__ void wait_or_trap(uint64_t* bar, uint32_t parity) {
+  for (long n = 0; !Barrier::try_wait(bar, parity); ++n)
     if (n > (1l << 22)) __trap();
-  }
 }
 __device__ __forceinline__ void st_async_v4(uint32_t dst, float4 v, uint32_t bar) {
   asm volatile(
@@ -103,8 +89,8 @@ __global__ void __launch_bounds__(kThreads, 1) exchange() {
   auto owned0 = [](int r) { return r * kRows / kSplit; };
   const int row0 = owned0(rank), rows = owned0(rank + 1) - row0;
   if (tid == 0) {
-    mbar_init(bar_addr, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    Barrier::init(bar, 1);
+    cutlass::arch::fence_barrier_init();
   }
   cluster_arrive();
   cluster_wait();
@@ -122,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange() {
     } else if constexpr (kWay != kNone) {
       // Bytes to land here: rows × E floats from each other CTA (whole padded rows for bulk).
       constexpr int kRowBytes = (kWay == kBulk ? kStride : kExperts) * 4;
-      if (tid == 0) mbar_expect(bar_addr, uint32_t((kSplit - 1) * rows * kRowBytes));
+      if (tid == 0) Barrier::arrive_and_expect_tx(bar, uint32_t((kSplit - 1) * rows * kRowBytes));
       const uint32_t recv_addr = cute::cast_smem_ptr_to_uint(recv);
       if constexpr (kWay == kStAsync) {
         // Vectors (destination, row, column/4) over every destination but this CTA.
@@ -162,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange() {
                     map_dsmem(bar_addr, d));
         }
       }
-      mbar_wait(bar_addr, round & 1);
+      wait_or_trap(bar, round & 1);
       // The sums, in rank order, from the receive area (own rank: the own partial).
       for (int v = tid; v < rows * (kExperts / 4); v += kThreads) {
         const int r = v / (kExperts / 4), c = v % (kExperts / 4) * 4;
