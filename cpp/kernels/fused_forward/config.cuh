@@ -8,10 +8,10 @@
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B
 // Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers:
 // 64 tokens × E each in 128-token tiles, 64 tokens × E/2 each in 64-token tiles (whose
-// partials, half the bytes, cross the cluster network in half the time). After the main loop the pipeline buffers are reused as the reduction
-// buffer: every CTA stores its partial logits there, and the CTA that owns a row range reads
-// those rows from every CTA of the cluster (distributed shared memory) and sums them in rank
-// order.
+// partials, half the bytes, cross the cluster network in half the time). After the main loop
+// the pipeline buffers are reused as the reduction buffer: every CTA stores its partial logits
+// there, and the CTA that owns a row range reads those rows from every CTA of the cluster
+// (distributed shared memory) and sums them in rank order.
 #pragma once
 
 #include <cute/tensor.hpp>
