@@ -12,6 +12,8 @@
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
 //                                      (FWD_TILE=64: 64-token tiles)
+//   phase_trace occupancy              the forward's clusters that fit at once, per tile and
+//                                      cluster size (what its launch plan reads)
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
 // kept).
@@ -86,7 +88,14 @@ static void dump_trace(int nctas, const char* label) {
 }
 
 int main(int argc, char** argv) {
-  if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT]\n"); return 2; }
+  if (argc >= 2 && !strcmp(argv[1], "occupancy")) {  // the forward plan's inputs
+    for (int tile : {128, 64})
+      for (int split : kernels::fused_forward::kClusterSizes)
+        printf("fwd tile %d split %d: %d clusters at once\n", tile, split,
+               detail::fused_forward_active_clusters<160>(split, tile, 0));
+    return 0;
+  }
+  if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT] | occupancy\n"); return 2; }
   const bool bwd = argv[1][0] == 'b';
   const int64_t T = atoll(argv[2]);
   const int64_t H = 5120; const int E = 160, K = 8;
