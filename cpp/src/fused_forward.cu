@@ -1,5 +1,6 @@
 // Dispatch of the fused forward: the token tile and the cluster size (split of the hidden
 // dimension) per T.
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -26,6 +27,12 @@ constexpr int64_t kTailBlocks = 2;
 // with the split, and a block. Fitted on an H200 (H = 5120, E = 160, one wave each): 10 blocks
 // per CTA 11.0 us, 14 12.1 us, 20 13.5 us, 27 16.2 us, 40 19.3-20.2 us, 80 31.3 us.
 constexpr int64_t kHalfFixed = 136, kHalfBlock = 5;
+// A wave's main loop is also bounded by DRAM: its x bytes at ~4.3 TB/s (the main loop of one
+// wave of 128 tiles at H = 5120 on an H200: 168 MB in 39.1 us), here in bytes per eighth of a
+// block (0.47 us / 8). It binds where more than ~125 CTAs stream at once: T = 8192 takes 31.2
+// us as 128 tiles of 64 tokens one CTA each, 32.3 as 64 tiles of 128 in pairs (a block each
+// for half as long) on an H200.
+constexpr int64_t kDramBytesPerEighth = 252700;
 
 // Active clusters per split size for one device, read once: the split, hence the order of
 // the logit summation, depends only on the device and T.
@@ -66,25 +73,31 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   for (const int tile_t : {int(kTileT), 64}) {
     const int64_t tiles = ceil_div(tokens, tile_t);
     int clusters[kNumSplits] = {};
-    int64_t wave_cost[kNumSplits] = {};  // in eighths of a 128-token tile's block
-    for (int which = 0; which < kNumSplits && kSplits[which] <= hblocks; ++which) {
-      const int split = kSplits[which];
+    for (int which = 0; which < kNumSplits && kSplits[which] <= hblocks; ++which)
       clusters[which] = active_clusters(device, which, cfg.n_routed_experts, tile_t);
-      wave_cost[which] = tile_t == kTileT
-                             ? 8 * (ceil_div(hblocks, split) + kFixedBlocks)
-                             : kHalfFixed + kHalfBlock * ceil_div(hblocks, split);
-    }
+    // One wave of n tiles in clusters of kSplits[which], in eighths of a 128-token tile's block:
+    // the fixed part, then the main loop, a CTA's blocks or the wave's x bytes through DRAM.
+    const int64_t tile_bytes = int64_t(tile_t) * hblocks * kTileH * 2;
+    auto wave = [&](int which, int64_t n) {
+      const int64_t blocks = ceil_div(hblocks, int64_t(kSplits[which]));
+      const int64_t loop = std::max(tile_t == kTileT ? 8 * blocks : kHalfBlock * blocks,
+                                    ceil_div(n * tile_bytes, kDramBytesPerEighth));
+      return (tile_t == kTileT ? 8 * kFixedBlocks : kHalfFixed) + loop;
+    };
+    // `n` tiles in waves of clusters[which]: the full waves, then a partial one.
+    auto waves = [&](int which, int64_t n) {
+      const int64_t full = n / clusters[which], rest = n % clusters[which];
+      return full * wave(which, clusters[which]) + (rest ? wave(which, rest) : 0);
+    };
     for (int which = 0; which < kNumSplits; ++which) {  // ties keep the smaller split
       if (clusters[which] <= 0) continue;
-      const int64_t cost = ceil_div(tiles, clusters[which]) * wave_cost[which];
+      const int64_t cost = waves(which, tiles);
       if (cost < best_cost) best = {kSplits[which], tiles, 0, tile_t}, best_cost = cost;
       const int64_t whole = tiles / clusters[which] * clusters[which];
       if (whole == 0 || whole == tiles) continue;
       for (int tail = 0; tail < kNumSplits; ++tail) {
         if (tail == which || clusters[tail] <= 0) continue;
-        const int64_t c = whole / clusters[which] * wave_cost[which] +
-                          ceil_div(tiles - whole, clusters[tail]) * wave_cost[tail] +
-                          8 * kTailBlocks;
+        const int64_t c = waves(which, whole) + waves(tail, tiles - whole) + 8 * kTailBlocks;
         if (c < best_cost) best = {kSplits[which], whole, kSplits[tail], tile_t}, best_cost = c;
       }
     }
