@@ -30,8 +30,8 @@ constexpr int64_t kHalfFixed = 136, kHalfBlock = 5;
 // A wave's main loop is also bounded by DRAM: its x bytes at ~4.3 TB/s (the main loop of one
 // wave of 128 tiles at H = 5120 on an H200: 168 MB in 39.1 us), here in bytes per eighth of a
 // block (0.47 us / 8). It binds where more than ~125 CTAs stream at once: T = 8192 takes 31.2
-// us as 128 tiles of 64 tokens one CTA each, 32.3 as 64 tiles of 128 in pairs (a block each
-// for half as long) on an H200.
+// us as 128 tiles of 64 tokens one CTA each, 32.3 as 64 tiles of 128 in pairs on an H200 (128
+// CTAs and the same x bytes either way; the second plan's CTAs have half the blocks).
 constexpr int64_t kDramBytesPerEighth = 252700;
 
 // Active clusters per split size for one device, read once: the split, hence the order of
