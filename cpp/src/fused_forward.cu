@@ -60,12 +60,12 @@ int active_clusters(int device, int which, int64_t experts, int tile_t) {
   return n;
 }
 
-// The launch plan with the least estimated time: waves of clusters × (blocks per CTA + fixed
-// cost). A plan either runs every tile at one split, or runs whole waves at one split and the
-// remaining tiles (a last wave that would leave SMs idle) at another, in a second launch; with
-// 128-token tiles, or with 64-token tiles, whose blocks (half the x bytes) and split sums (half
-// the partial bytes through the cluster network, which moves ~20-30 GB/s per SM) cost less, for
-// twice the tiles: the small-T plans.
+// The launch plan with the least estimated time: waves of clusters × (fixed cost + the larger
+// of a CTA's blocks and the wave's x bytes through DRAM). A plan either runs every tile at one
+// split, or runs whole waves at one split and the remaining tiles (a last wave that would leave
+// SMs idle) at another, in a second launch; with 128-token tiles, or with 64-token tiles, whose
+// blocks (half the x bytes) and split sums (half the partial bytes through the cluster network,
+// which moves ~20-30 GB/s per SM) cost less, for twice the tiles: the small-T plans.
 ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
   ForwardPlan best{1, ceil_div(tokens, kTileT), 0, int(kTileT)};

@@ -16,12 +16,11 @@
 //   the owner of rows [⌊r·kTileT/kSplit⌋, ⌊(r+1)·kTileT/kSplit⌋) (rank r) reads those rows from
 //   every CTA of the cluster (16-byte distributed-shared-memory loads, all of a thread's in
 //   flight at once: split_sum.cuh), sums them in rank order (the same bits every run) over its
-//   own copy of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores (from the
-//   accumulators where there is no split, else from the sums), then 2 to 16 lanes per token
-//   (route_thread.cuh). top_k > 8: 8 lanes per token,
-//   32 token slots over the 8 consumer warps, two tokens per slot and pass where the CTA has
-//   more than 32 rows (route.cuh). A CTA leaves only once every CTA is done reading its buffer
-//   (arrive / wait).
+//   own copy of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores
+//   (from the accumulators where there is no split, else from the sums), then 2 to 16 lanes per
+//   token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token slots over the 8 consumer
+//   warps, two tokens per slot and pass where the CTA has more than 32 rows (route.cuh). A CTA
+//   leaves only once every CTA is done reading its buffer (arrive / wait).
 #pragma once
 
 #include <cooperative_groups.h>
