@@ -185,7 +185,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // their latency hides behind a whole build, and only the packed row stays live.
     TokenRouting<Cfg::kTopK> loaded;
     UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
+    // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
+    // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
+    // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
+    // T <= 4096, where the prefetches delay the start). Not in the 64-column kernel (small T
+    // only), whose code stays as it was.
+    constexpr int kPrefetch = Cfg::kSplitT ? 0 : Cfg::kRoutingPrefetch;
+    const bool prefetch = kPrefetch > 0 && count >= Cfg::kRoutingPrefetchMinUnits;
+    UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
+    int pf_next = 0;                   // ... and its index
+    auto prefetch_next = [&] {         // units in order
+      if (pf_next < total) {
+        if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
+        prefetch_token_routing<Cfg::kTopK>(p.topk_idx, p.topk_scores, p.grad_topk_weights,
+                                           int64_t(pf_unit.tile) * kTileT + thread, p.tokens);
+        pf_unit.next(tiles);
+        ++pf_next;
+      }
+    };
+    if constexpr (kPrefetch > 0) {
+      if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
+        for (int i = 0; i < kPrefetch; ++i) prefetch_next();
+    }
     auto load_routing = [&](int n) {  // units in order
+      if constexpr (kPrefetch > 0) {
+        if (prefetch) prefetch_next();  // unit n + kPrefetch
+      }
       if (n == count) g_unit = UnitCursor(unit0, tiles);
       loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
                   int64_t(g_unit.tile) * kTileT + thread, p.tokens);

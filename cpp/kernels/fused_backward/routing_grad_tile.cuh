@@ -38,6 +38,20 @@ struct TokenRouting {
   }
 };
 
+// One token's routing inputs fetched into L1 ahead of their loads (TokenRouting::load then
+// finds them there; ld.global.nc goes through L1).
+template <int kTopK>
+__device__ __forceinline__ void prefetch_token_routing(const int32_t* topk_idx,
+                                                       const float* topk_scores,
+                                                       const float* grad_topk_w, int64_t t,
+                                                       int64_t tokens) {
+  static_assert(kTopK * 4 <= 128, "one line per input");
+  if (t >= tokens) return;
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + t * kTopK));
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + t * kTopK));
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + t * kTopK));
+}
+
 __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t bits) {
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(bits) : "memory");
 }
