@@ -37,8 +37,8 @@ struct Config {
   static constexpr int kDgradN = kSplitT ? kTileT / 2 : kTileT;  // dgrad's N per warpgroup
   // wgrad k-steps (16 tokens) per warpgroup; with kSplitT warpgroup w takes [w, w + 1) · it.
   static constexpr int kWgradSteps = kSplitT ? kTileT / 32 : kTileT / 16;
-  // Units ahead of the routing loads that their rows are prefetched into L1 (3 measured
-  // best of 1-5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
+  // Units ahead of the routing loads that their rows are prefetched into L1 (3: the best of
+  // 1, 2, 3 and 5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
   static constexpr int kRoutingPrefetch = 3;
   static constexpr int kRoutingPrefetchMinUnits = 32;
   static constexpr int kStagesX = kStagesX_;
