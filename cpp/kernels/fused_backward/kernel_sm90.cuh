@@ -78,6 +78,12 @@ __device__ __forceinline__ int ld_acquire(const int* counter) {
   return v;
 }
 
+// Drops a 128-byte line from L2 without writing it back (its contents become undefined):
+// for partials that no one reads again, which would otherwise go to DRAM when evicted.
+__device__ __forceinline__ void discard_l2_line(const void* line) {
+  asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+}
+
 // Adds one to a grad_w ticket (acquire and release at GPU scope); returns the old count.
 __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
   int old;
@@ -527,6 +533,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                        : __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
     });
     MOE_ROUTING_TRACE(ct == 0, 7);
+    // The other CTAs' lines of this share are dead once summed (only this CTA reads them):
+    // dropped from L2, so that they are not written back to DRAM (6.4 MB per call at
+    // H = 5120, 120 CTAs). Lines across a share's ends are left; the barrier: every thread's
+    // loads of a line are done.
+    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    constexpr int kLineVecs = 8;  // 16-byte vectors per 128-byte line
+    for (int line = (own0 + kLineVecs - 1) / kLineVecs + ct; line < own1 / kLineVecs; line += 256)
+      for (int r = 0; r < k; ++r)
+        if (r != rank) discard_l2_line(partial(slice, first + r) + line * kLineVecs * 4);
   };
   // kCluster: CTA r sums its share over the cluster's staged partials in rank order
   // (distributed shared memory).
