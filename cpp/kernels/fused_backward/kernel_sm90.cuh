@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     });
     MOE_ROUTING_TRACE(ct == 0, 7);
     // The other CTAs' lines of this share are dead once summed (only this CTA reads them):
-    // dropped from L2, so that they are not written back to DRAM (6.4 MB per call at
+    // dropped from L2, so that they are not written back to DRAM (6.6 MB per call at
     // H = 5120, 120 CTAs). Lines across a share's ends are left; the barrier: every thread's
     // loads of a line are done.
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
