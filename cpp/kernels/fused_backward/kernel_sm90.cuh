@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // T <= 4096, where the prefetches delay the start). Not in the 64-column kernel (small T
     // only), whose code stays as it was.
     constexpr int kPrefetch = Cfg::kSplitT ? 0 : Cfg::kRoutingPrefetch;
-    const bool prefetch = kPrefetch > 0 && count >= Cfg::kRoutingPrefetchMinUnits;
+    const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
     UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
     int pf_next = 0;                   // ... and its index
     auto prefetch_next = [&] {         // units in order
