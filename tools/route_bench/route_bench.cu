@@ -1,8 +1,10 @@
-// The fused forward's few-lanes routing epilogue (route_thread.cuh) alone: every CTA holds 128
-// rows of random scores in shared memory, laid out as the kernel's reduction buffer, and routes
-// them as the kernel does after its main loop, four times in a row. Prints, per thread count and
-// lanes per token, the median and slowest CTA's time per routing of the 128 rows (%globaltimer),
-// the first (code not yet cached) and the last.
+// The fused forward's routing epilogues alone: every CTA holds 128 rows of random scores in
+// shared memory, laid out as the kernel's reduction buffer, and routes them as the kernel does
+// after its main loop, four times in a row. Prints, per thread count and lanes per token, the
+// median and slowest CTA's time per routing of the 128 rows (%globaltimer), the first (code not
+// yet cached) and the last, for the few-lanes routing (route_thread.cuh). Then, for 8 to 64 rows
+// per CTA on 256 threads, the few-lanes routing against one warp per token (route_redux.cuh,
+// one or two tokens per warp at once), and how many outputs of the two differ (none should).
 //
 //   route_bench [N_GROUP TOPK_GROUP]   E = 160, top 8, 132 CTAs (default: 8 groups, top 4)
 //
@@ -10,11 +12,13 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include <cuda_runtime.h>
 
 #include "kernels/fused_forward/config.cuh"
+#include "kernels/fused_forward/route_redux.cuh"
 #include "kernels/fused_forward/route_thread.cuh"
 
 using namespace moe_routing::kernels::fused_forward;
@@ -56,6 +60,54 @@ __global__ void __launch_bounds__(kThreads, 1)
       ThreadRoute<kExperts>::template run<kLanes>(red + r * kStride, bias, group_keys, kRows, p, o,
                                                   int64_t(blockIdx.x) * kRows + r, true,
                                                   threadIdx.x % kLanes);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) g_stamp[blockIdx.x * (kReps + 1) + kReps] = now();
+}
+
+// Few rows per CTA (small T, split clusters): CTA c routes its first kFew rows on 256 threads,
+// either as the kernel's few-lanes routing (256 / kFew lanes per token, at most kMaxLanes) or
+// one warp per token (kTok tokens per warp at once, route_redux.cuh).
+template <int kFew, int kRedux, int kTok>
+__global__ void __launch_bounds__(256, 1)
+    route_few(const float* scores, const float* bias_in, RouteParams p, RouteOut out) {
+  extern __shared__ float4 smem4[];
+  float* red = reinterpret_cast<float*>(smem4);
+  float* bias = red + (kRows + kScratch) * kStride;
+  int* counts = reinterpret_cast<int*>(bias + kExperts);
+  for (int i = threadIdx.x; i < kFew * kExperts; i += 256)
+    red[i / kExperts * kStride + i % kExperts] = scores[int64_t(blockIdx.x) * kRows * kExperts + i];
+  for (int e = threadIdx.x; e < kExperts; e += 256) bias[e] = bias_in[e], counts[e] = 0;
+  __syncthreads();
+  RouteOut o = out;
+  if (out.counts) o.counts = counts;
+  for (int rep = 0; rep < kReps; ++rep) {
+    if (threadIdx.x == 0) g_stamp[blockIdx.x * (kReps + 1) + rep] = now();
+    if constexpr (kRedux) {
+      const int warp = threadIdx.x / 32;
+      for (int r0 = warp * kTok; r0 < kFew; r0 += 8 * kTok) {
+        const float* rows[kTok];
+        int64_t t[kTok];
+        bool valid[kTok];
+        for (int u = 0; u < kTok; ++u) {
+          const int r = r0 + u < kFew ? r0 + u : kFew - 1;
+          rows[u] = red + r * kStride;
+          t[u] = int64_t(blockIdx.x) * kRows + r;
+          valid[u] = r0 + u < kFew;
+        }
+        ReduxRoute<kExperts>::template run<kTok>(rows, bias, p, o, t, valid);
+      }
+    } else {
+      constexpr int kMax = ThreadRoute<kExperts>::kMaxLanes;
+      constexpr int kLanes = 256 / kFew < kMax ? 256 / kFew : kMax;
+      const int r = threadIdx.x / kLanes;
+      if (r < kFew) {
+        uint32_t* group_keys = reinterpret_cast<uint32_t*>(red + kRows * kStride) + r;
+        ThreadRoute<kExperts>::template run<kLanes>(red + r * kStride, bias, group_keys, kRows, p,
+                                                    o, int64_t(blockIdx.x) * kRows + r, true,
+                                                    threadIdx.x % kLanes);
+      }
     }
     __syncthreads();
   }
@@ -120,5 +172,35 @@ int main(int argc, char** argv) {
   run(route_rows<4, 256>, 4, 256);
   run(route_rows<4, 512>, 4, 512);
   run(route_rows<8, 512>, 8, 512);
+  // Few rows: the few-lanes routing against one warp per token; and the outputs compared.
+  std::vector<int> idx_a(outs), idx_b(outs);
+  std::vector<float> w_a(outs), w_b(outs);
+  auto fetch = [&](std::vector<int>& i, std::vector<float>& w) {
+    CK(cudaMemcpy(i.data(), d_idx, outs * sizeof(int), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(w.data(), d_weights, outs * sizeof(float), cudaMemcpyDeviceToHost));
+  };
+  auto few = [&](auto lanes_kernel, auto redux_kernel, auto redux2_kernel, int rows) {
+    CK(cudaMemset(d_idx, 0xFF, outs * sizeof(int)));
+    std::printf("%3d rows, few lanes:   ", rows);
+    run(lanes_kernel, 0, 256);
+    fetch(idx_a, w_a);
+    for (auto k : {redux_kernel, redux2_kernel}) {
+      CK(cudaMemset(d_idx, 0xFF, outs * sizeof(int)));
+      std::printf("%3d rows, warp/token (%s):", rows, k == redux_kernel ? "1" : "2");
+      run(k, 0, 256);
+      fetch(idx_b, w_b);
+      size_t bad = 0;
+      for (int c = 0; c < kCtas; ++c)
+        for (int i = 0; i < rows * kTopK; ++i) {
+          const size_t o = size_t(c) * kRows * kTopK + i;
+          bad += idx_a[o] != idx_b[o] || std::memcmp(&w_a[o], &w_b[o], 4) != 0;
+        }
+      std::printf("    outputs differing from few lanes: %zu of %zu\n", bad, size_t(kCtas) * rows * kTopK);
+    }
+  };
+  few(route_few<8, 0, 1>, route_few<8, 1, 1>, route_few<8, 1, 1>, 8);
+  few(route_few<16, 0, 1>, route_few<16, 1, 1>, route_few<16, 1, 2>, 16);
+  few(route_few<32, 0, 1>, route_few<32, 1, 1>, route_few<32, 1, 2>, 32);
+  few(route_few<64, 0, 1>, route_few<64, 1, 1>, route_few<64, 1, 2>, 64);
   return 0;
 }

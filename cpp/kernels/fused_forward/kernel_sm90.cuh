@@ -17,8 +17,9 @@
 //   every CTA of the cluster (16-byte distributed-shared-memory loads, all of a thread's in
 //   flight at once: split_sum.cuh), sums them in rank order (the same bits every run) over its
 //   own copy of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores
-//   (from the accumulators where there is no split, else from the sums), then 2 to 16 lanes per
-//   token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token slots over the 8 consumer
+//   (from the accumulators where there is no split, else from the sums), then one warp per
+//   token where the CTA has at most 16 rows and the groups are whole lanes (route_redux.cuh),
+//   else 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token slots over the 8 consumer
 //   warps, two tokens per slot and pass where the CTA has more than 32 rows (route.cuh). A CTA
 //   leaves only once every CTA is done reading its buffer (arrive / wait).
 #pragma once
@@ -38,6 +39,7 @@
 #include "kernels/fused_forward/config.cuh"
 #include "kernels/fused_forward/mainloop.cuh"
 #include "kernels/fused_forward/route.cuh"
+#include "kernels/fused_forward/route_redux.cuh"
 #include "kernels/fused_forward/route_thread.cuh"
 #include "kernels/fused_forward/split_sum.cuh"
 
@@ -232,9 +234,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
                                           ct % kLanes);
       }
     };
+    // At most 16 rows (small T, large clusters): one warp per token, one or two tokens per
+    // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists.
+    constexpr int kWarps = 4 * Cfg::kConsumers;
+    auto route_warps = [&](auto tok) {
+      constexpr int kTok = decltype(tok)::value;
+      using WarpRoute = ReduxRoute<kExperts>;
+      for (int r0 = ct / 32 * kTok; r0 < rows; r0 += kWarps * kTok) {  // warp-uniform
+        const float* srow[kTok];
+        int64_t t[kTok];
+        bool valid[kTok];
+        CUTE_UNROLL
+        for (int u = 0; u < kTok; ++u) {
+          const int r = r0 + u < rows ? r0 + u : rows - 1;  // a spare slot repeats the last row
+          srow[u] = own + r * kStride;
+          t[u] = row0 + r;
+          valid[u] = r0 + u < rows && t[u] < p.tokens;
+        }
+        WarpRoute::template run<kTok>(srow, smem.bias, p.route, out, t, valid);
+      }
+    };
     constexpr int kMaxLanes = ThreadRoute::kMaxLanes;
     const int lanes = (128 * Cfg::kConsumers) / rows;
-    if (kTileT % split != 0) {
+    bool warp_per_token = false;
+    if constexpr (kExperts % 32 == 0)
+      warp_per_token = rows <= 2 * kWarps && ReduxRoute<kExperts>::supports(p.route);
+    if (warp_per_token) {
+      if constexpr (kExperts % 32 == 0) {
+        if (rows <= kWarps) route_warps(Int<1>{});
+        else route_warps(Int<2>{});
+      }
+    } else if (kTileT % split != 0) {
       if (lanes >= 8 && kMaxLanes >= 8) route(Int<cute::min(8, kMaxLanes)>{}, cute::true_type{});
       else route(Int<cute::min(4, kMaxLanes)>{}, cute::true_type{});
     } else if (lanes >= 16 && kMaxLanes >= 16) {
