@@ -17,7 +17,8 @@
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
 // kept).
-// ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// Every input set has its own w, as in the benchmarks (SHARED_W set: one w for all, which then
+// stays in L2). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
@@ -107,10 +108,16 @@ int main(int argc, char** argv) {
   const size_t set_bytes = bwd ? size_t(4 * T * H + 6 * E * H + 12 * T * K) : size_t(2 * T * H + 12 * T * K);
   const int sets = int(std::min<size_t>(12, std::max<size_t>(2, (100u << 20) / set_bytes + 1)));
   cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  uint16_t* w = dalloc<uint16_t>(E * H); fill_bf16<<<264, 256>>>(w, E * H, 7);
+  // w per input set, as the benchmarks rotate it (SHARED_W set: one w for every set, kept in L2).
+  const bool shared_w = getenv("SHARED_W") != nullptr;
   float* bias = dalloc<float>(E); fill_f32<<<1, 256>>>(bias, E, 9, -0.1f, 0.1f);
   std::vector<uint16_t*> x(sets), gx(sets); std::vector<int32_t*> idx(sets); std::vector<float*> sc(sets), gt(sets), gw(sets), ow(sets);
   std::vector<uint8_t*> ws(sets);
+  std::vector<uint16_t*> w(sets);
+  for (int s = 0; s < sets; ++s) {
+    if (s == 0 || !shared_w) { w[s] = dalloc<uint16_t>(E * H); fill_bf16<<<264, 256>>>(w[s], E * H, 7 + s); }
+    else w[s] = w[0];
+  }
   for (int s = 0; s < sets; ++s) {
     x[s] = dalloc<uint16_t>(T * H); fill_bf16<<<1024, 256>>>(x[s], T * H, 100 + s);
     idx[s] = dalloc<int32_t>(T * K); fill_idx<<<256, 256>>>(idx[s], T, K, E, 200 + s);
@@ -124,7 +131,7 @@ int main(int argc, char** argv) {
   auto call = [&](int s) -> int {
     if (bwd) {
       BackwardArgs a{}; a.tokens = T;
-      a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.topk_idx = {idx[s], int64_t(T * K)};
+      a.x = {x[s], int64_t(T * H)}; a.w = {w[s], int64_t(E * H)}; a.topk_idx = {idx[s], int64_t(T * K)};
       a.topk_scores = {sc[s], int64_t(T * K)}; a.grad_topk_weights = {gt[s], int64_t(T * K)};
       a.grad_x = {gx[s], int64_t(T * H)}; a.grad_w = {gw[s], int64_t(E * H)}; a.workspace = {ws[s], int64_t(64 << 20)};
       a.accumulate_grad_w = getenv("ACCUMULATE") != nullptr;  // add into grad_w
@@ -155,7 +162,7 @@ int main(int argc, char** argv) {
       return int(pass(kPassResidual, acc));
     } else {
       ForwardArgs a{}; a.tokens = T;
-      a.x = {x[s], int64_t(T * H)}; a.w = {w, int64_t(E * H)}; a.bias = {bias, int64_t(E)};
+      a.x = {x[s], int64_t(T * H)}; a.w = {w[s], int64_t(E * H)}; a.bias = {bias, int64_t(E)};
       a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
       const int split = argc > 3 ? atoi(argv[3]) : 1;
       const int tile_t = getenv("FWD_TILE") ? atoi(getenv("FWD_TILE")) : 128;  // 128 or 64
