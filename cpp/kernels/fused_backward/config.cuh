@@ -4,8 +4,7 @@
 // holds in shared memory
 //   sX  (h, t)  the x tile, by TMA                                     kStagesX deep
 //   sG  (t, e)  the routing gradient G, built by producer threads      kStagesG deep
-// and in registers the slice of w as wᵀ (h, e), loaded once per slice (kTileH = 64: through
-// shared memory). Two consumer
+// and in registers the slice of w as wᵀ (h, e), loaded once per slice. Two consumer
 // warpgroups compute
 //   dgrad  grad_xᵀ(h, t)  = Σ_e wᵀ(h, e) · G(t, e)    A = wᵀ (registers), B = sG (K-major)
 //   wgrad  grad_wᵀ(h, e) += Σ_t xᵀ(h, t) · G(t, e)    A = sX (MN-major),  B = sGᵀ (MN-major)
@@ -111,11 +110,6 @@ struct Config {
   // grad_xᵀ accumulator (h, t) → staging with h contiguous: transposing 8×8 matrix stores.
   using CopyGX = Copy_Atom<SM90_U16x8_STSM_T, Elem>;
 
-  // kSplitT: w's slice (h, e), h contiguous, staged in shared memory for the transposing
-  // ldmatrix into dgrad's register A (kernel_sm90.cuh, load_w).
-  using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                             Shape<TileH, Experts>{}));
-
   static constexpr int kXBytes = kTileT * kTileH * 2;
   // Row stride (floats) of a grad_w partial in shared memory (spread and cluster sums): the
   // accumulator's stores (8 h × 4 e per warp) then hit 32 distinct banks.
@@ -133,7 +127,6 @@ struct Config {
     alignas(8) uint64_t g_full[kStagesG];   // G built (builder threads)
     alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
     int last_contributor;  // this CTA reduces grad_w of the slice it just finished
-    alignas(1024) Elem w[kSplitT ? cosize_v<SmemLayoutW> : 8];  // kSplitT: w's slice
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

@@ -316,30 +316,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor tSsGX = get<1>(store_part);  // (TMA)
 
   auto load_w = [&](int64_t slice) {
-    if constexpr (Cfg::kSplitT) {
-      // Through shared memory: 16-byte cp.async (8 h of one e each), then ldmatrix with
-      // transpose into the fragment. 5 copies per thread instead of 80 two-byte gathers, which
-      // at small T held up x's first tile (BENCHMARKS.md, "After v15").
-      Tensor sW = make_tensor(make_smem_ptr(smem.w), typename Cfg::SmemLayoutW{});  // (h, e)
-      constexpr int kChunks = kTileH * kExperts / 8;
-      static_assert(kChunks % 256 == 0, "whole chunks per consumer thread");
-      CUTE_UNROLL
-      for (int j = 0; j < kChunks / 256; ++j) {
-        const int c = ct + 256 * j, e = c / (kTileH / 8), h = c % (kTileH / 8) * 8;
-        const Elem* src = p.w + e * int64_t(p.hidden) + slice * kTileH + h;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                         cute::cast_smem_ptr_to_uint(&sW(h, e))), "l"(src) : "memory");
-      }
-      asm volatile("cp.async.wait_all;" ::: "memory");
-      cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // every thread's chunks landed
-      auto copy_w = make_tiled_copy_A(Copy_Atom<SM75_U16x8_LDSM_T, Elem>{}, mma_d);
-      auto thr_cw = copy_w.get_thread_slice(ct);
-      copy(copy_w, thr_cw.partition_S(sW), thr_cw.retile_D(tDrW));
-    } else {
-      Tensor src = tDgW(_, _, _, slice);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tDrW); ++i) tDrW(i) = src(i);
-    }
+    Tensor src = tDgW(_, _, _, slice);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tDrW); ++i) tDrW(i) = src(i);
   };
   auto wait_unit = [&](int n) {
     Barrier::wait(&smem.x_full[n % kStagesX], (n / kStagesX) & 1);
