@@ -19,8 +19,9 @@
 //   own copy of the rows, which no other CTA reads, and routes them. top_k <= 8: the scores
 //   (from the accumulators where there is no split, else from the sums), then one warp per
 //   token where the CTA has at most 16 rows and the groups are whole lanes (route_redux.cuh),
-//   else 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token slots over the 8 consumer
-//   warps, two tokens per slot and pass where the CTA has more than 32 rows (route.cuh). A CTA
+//   else 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token
+//   slots over the 8 consumer warps, two tokens per slot and pass where the CTA has more than
+//   32 rows (route.cuh). A CTA
 //   leaves only once every CTA is done reading its buffer (arrive / wait).
 #pragma once
 

@@ -10,9 +10,9 @@
 //                  heads, the lowest lane holding it wins (larger key first, then the lower
 //                  expert, as rank_key orders them) and shifts its list
 //   weights        the chosen scores summed in selection order (the bits of the other paths)
-// A round is a short dependent chain (one reduction, a ballot, the shift),
-// where the few-lanes routing's per-lane lists are a long one when a token has many lanes'
-// worth of experts each but few tokens share the SM.
+// A round is a short dependent chain (one reduction, a ballot, the shift), where the few-lanes
+// routing's per-lane lists are a long one; it wins where a CTA has few rows (8-16 on an H200;
+// BENCHMARKS.md, forward "v14").
 #pragma once
 
 #include <cstdint>
@@ -89,7 +89,11 @@ struct ReduxRoute {
       const int lanes = 32 / p.n_group;  // per group
       uint32_t k1[kTok], k2[kTok];       // the group's two largest keys, with multiplicity
 #pragma unroll
-      for (int u = 0; u < kTok; ++u) k1[u] = key[u][0], k2[u] = kPer > 1 ? key[u][kPer > 1 ? 1 : 0] : 0u;
+      for (int u = 0; u < kTok; ++u) {
+        k1[u] = key[u][0];
+        if constexpr (kPer > 1) k2[u] = key[u][1];
+        else k2[u] = 0u;
+      }
       for (int o = 1; o < lanes; o <<= 1) {
 #pragma unroll
         for (int u = 0; u < kTok; ++u) {
