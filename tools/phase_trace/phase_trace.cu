@@ -18,7 +18,8 @@
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
 // kept).
 // Every input set has its own w, as in the benchmarks (SHARED_W set: one w for all, which then
-// stays in L2). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// stays in L2). GRAPH set: the back-to-back calls replayed from a CUDA graph, as the benchmarks
+// time them (else launched one by one). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
@@ -187,11 +188,22 @@ int main(int argc, char** argv) {
   }
   CK(cudaStreamSynchronize(st));
   const int n = sets * std::max(1, int(60 / sets));
+  // GRAPH set: a round's n calls captured once into a CUDA graph and replayed, as the
+  // benchmarks time them (else launched one by one from the host).
+  cudaGraphExec_t graph = nullptr;
+  if (getenv("GRAPH")) {
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < n; ++i) call(i % sets);
+    cudaGraph_t g; CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&graph, g, 0));
+    CK(cudaGraphLaunch(graph, st)); CK(cudaStreamSynchronize(st));  // the first replay uploads it
+  }
   cudaEvent_t a, b; CK(cudaEventCreate(&a)); CK(cudaEventCreate(&b));
   std::vector<float> times;
   for (int r = 0; r < 7; ++r) {
     CK(cudaEventRecord(a, st));
-    for (int i = 0; i < n; ++i) call(i % sets);
+    if (graph) CK(cudaGraphLaunch(graph, st));
+    else for (int i = 0; i < n; ++i) call(i % sets);
     CK(cudaEventRecord(b, st)); CK(cudaEventSynchronize(b));
     float ms; CK(cudaEventElapsedTime(&ms, a, b)); times.push_back(ms * 1000 / n);
   }
