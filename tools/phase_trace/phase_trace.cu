@@ -19,7 +19,8 @@
 // kept).
 // Every input set has its own w, as in the benchmarks (SHARED_W set: one w for all, which then
 // stays in L2). GRAPH set: the back-to-back calls replayed from a CUDA graph, as the benchmarks
-// time them (else launched one by one). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// time them (else launched one by one). ROUTING set (backward): the routing inputs from the
+// fused forward on each set's x and w, as the benchmarks make them (else spread synthetic ones). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
@@ -126,6 +127,22 @@ int main(int argc, char** argv) {
     gt[s] = dalloc<float>(T * K); fill_f32<<<256, 256>>>(gt[s], T * K, 400 + s, -1.f, 1.f);
     if (bwd) { gx[s] = dalloc<uint16_t>(T * H); gw[s] = dalloc<float>(E * H); ws[s] = dalloc<uint8_t>(64 << 20); CK(cudaMemset(ws[s], 0, 64 << 20)); }
     else { ow[s] = dalloc<float>(T * K); }
+  }
+  if (bwd && getenv("ROUTING")) {  // the backward's routing inputs from the forward, as the benchmarks make them
+    float* weights = dalloc<float>(T * K);
+    for (int s = 0; s < sets; ++s) {
+      ForwardArgs f{}; f.tokens = T;
+      f.x = {x[s], int64_t(T * H)}; f.w = {w[s], int64_t(E * H)}; f.bias = {bias, int64_t(E)};
+      f.topk_idx = {idx[s], int64_t(T * K)}; f.topk_weights = {weights, int64_t(T * K)};
+      f.topk_scores = {sc[s], int64_t(T * K)};
+      detail::ForwardPlan pl;
+      pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
+      if (detail::launch_fused_forward_e<160>(cfg, f, 0, pl, st) != Status::kSuccess) {
+        printf("forward failed\n");
+        return 1;
+      }
+    }
+    CK(cudaStreamSynchronize(st));
   }
   CK(cudaDeviceSynchronize());
   int grid = 0;
