@@ -20,7 +20,8 @@
 // Every input set has its own w, as in the benchmarks (SHARED_W set: one w for all, which then
 // stays in L2). GRAPH set: the back-to-back calls replayed from a CUDA graph, as the benchmarks
 // time them (else launched one by one). ROUTING set (backward): the routing inputs from the
-// fused forward on each set's x and w, as the benchmarks make them (else spread synthetic ones). ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// fused forward on each set's x and w, as the benchmarks make them (else spread synthetic ones).
+// ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.

@@ -10,6 +10,9 @@
 //
 // Build: tools/route_bench/build.sh (needs no GPU); run on a Hopper GPU.
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -85,19 +88,9 @@ __global__ void __launch_bounds__(256, 1)
   for (int rep = 0; rep < kReps; ++rep) {
     if (threadIdx.x == 0) g_stamp[blockIdx.x * (kReps + 1) + rep] = now();
     if constexpr (kRedux) {
-      const int warp = threadIdx.x / 32;
-      for (int r0 = warp * kTok; r0 < kFew; r0 += 8 * kTok) {
-        const float* rows[kTok];
-        int64_t t[kTok];
-        bool valid[kTok];
-        for (int u = 0; u < kTok; ++u) {
-          const int r = r0 + u < kFew ? r0 + u : kFew - 1;
-          rows[u] = red + r * kStride;
-          t[u] = int64_t(blockIdx.x) * kRows + r;
-          valid[u] = r0 + u < kFew;
-        }
-        ReduxRoute<kExperts>::template run<kTok>(rows, bias, p, o, t, valid);
-      }
+      ReduxRoute<kExperts>::template run_rows<kTok>(red, kStride, kFew,
+                                                    int64_t(blockIdx.x) * kRows, INT64_MAX,
+                                                    threadIdx.x / 32, 8, bias, p, o);
     } else {
       constexpr int kMax = ThreadRoute<kExperts>::kMaxLanes;
       constexpr int kLanes = 256 / kFew < kMax ? 256 / kFew : kMax;
@@ -179,14 +172,17 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(i.data(), d_idx, outs * sizeof(int), cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(w.data(), d_weights, outs * sizeof(float), cudaMemcpyDeviceToHost));
   };
-  auto few = [&](auto lanes_kernel, auto redux_kernel, auto redux2_kernel, int rows) {
+  // The few-lanes kernel, then each warp-per-token kernel with its tokens per warp at once.
+  using Kernel = decltype(&route_few<8, 0, 1>);
+  auto few = [&](int rows, Kernel lanes_kernel,
+                 std::initializer_list<std::pair<Kernel, int>> warp_kernels) {
     CK(cudaMemset(d_idx, 0xFF, outs * sizeof(int)));
     std::printf("%3d rows, few lanes:   ", rows);
     run(lanes_kernel, 0, 256);
     fetch(idx_a, w_a);
-    for (auto k : {redux_kernel, redux2_kernel}) {
+    for (auto [k, tok] : warp_kernels) {
       CK(cudaMemset(d_idx, 0xFF, outs * sizeof(int)));
-      std::printf("%3d rows, warp/token (%s):", rows, k == redux_kernel ? "1" : "2");
+      std::printf("%3d rows, warp/token (%d):", rows, tok);
       run(k, 0, 256);
       fetch(idx_b, w_b);
       size_t bad = 0;
@@ -198,9 +194,9 @@ int main(int argc, char** argv) {
       std::printf("    outputs differing from few lanes: %zu of %zu\n", bad, size_t(kCtas) * rows * kTopK);
     }
   };
-  few(route_few<8, 0, 1>, route_few<8, 1, 1>, route_few<8, 1, 1>, 8);
-  few(route_few<16, 0, 1>, route_few<16, 1, 1>, route_few<16, 1, 2>, 16);
-  few(route_few<32, 0, 1>, route_few<32, 1, 1>, route_few<32, 1, 2>, 32);
-  few(route_few<64, 0, 1>, route_few<64, 1, 1>, route_few<64, 1, 2>, 64);
+  few(8, route_few<8, 0, 1>, {{route_few<8, 1, 1>, 1}});
+  few(16, route_few<16, 0, 1>, {{route_few<16, 1, 1>, 1}, {route_few<16, 1, 2>, 2}});
+  few(32, route_few<32, 0, 1>, {{route_few<32, 1, 1>, 1}, {route_few<32, 1, 2>, 2}});
+  few(64, route_few<64, 0, 1>, {{route_few<64, 1, 1>, 1}, {route_few<64, 1, 2>, 2}});
   return 0;
 }

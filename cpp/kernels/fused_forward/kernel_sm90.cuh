@@ -21,8 +21,8 @@
 //   token where the CTA has at most 16 rows and the groups are whole lanes (route_redux.cuh),
 //   else 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token
 //   slots over the 8 consumer warps, two tokens per slot and pass where the CTA has more than
-//   32 rows (route.cuh). A CTA
-//   leaves only once every CTA is done reading its buffer (arrive / wait).
+//   32 rows (route.cuh). A CTA leaves only once every CTA is done reading its buffer (arrive /
+//   wait).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -239,21 +239,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists.
     constexpr int kWarps = 4 * Cfg::kConsumers;
     auto route_warps = [&](auto tok) {
-      constexpr int kTok = decltype(tok)::value;
-      using WarpRoute = ReduxRoute<kExperts>;
-      for (int r0 = ct / 32 * kTok; r0 < rows; r0 += kWarps * kTok) {  // warp-uniform
-        const float* srow[kTok];
-        int64_t t[kTok];
-        bool valid[kTok];
-        CUTE_UNROLL
-        for (int u = 0; u < kTok; ++u) {
-          const int r = r0 + u < rows ? r0 + u : rows - 1;  // a spare slot repeats the last row
-          srow[u] = own + r * kStride;
-          t[u] = row0 + r;
-          valid[u] = r0 + u < rows && t[u] < p.tokens;
-        }
-        WarpRoute::template run<kTok>(srow, smem.bias, p.route, out, t, valid);
-      }
+      ReduxRoute<kExperts>::template run_rows<decltype(tok)::value>(
+          own, kStride, rows, row0, p.tokens, ct / 32, kWarps, smem.bias, p.route, out);
     };
     constexpr int kMaxLanes = ThreadRoute::kMaxLanes;
     const int lanes = (128 * Cfg::kConsumers) / rows;

@@ -16,6 +16,12 @@ struct RouteParams {
   bool norm;
 };
 
+// The weight of a chosen expert from its score and the sum of the token's chosen scores (summed
+// in selection order by the caller): one formula for every routing path, so the same bits.
+__device__ __forceinline__ float topk_weight(float score, float sum, const RouteParams& p) {
+  return (p.norm ? score / (sum + 1e-20f) : score) * p.scale;
+}
+
 // Outputs of one token; `scores` (T × E) and `counts` (shared, E) may be null.
 struct RouteOut {
   int32_t* topk_idx;
@@ -196,12 +202,9 @@ struct TokenRoute {
         const int k = sub + kWidth * j;
         if (k < p.top_k) {
           const float s = sel_score[u][j];
-          float wgt = s;
-          if (p.norm) wgt = s / (sum[u] + 1e-20f);
-          wgt *= p.scale;
           const int64_t o = t[u] * p.top_k + k;
           out.topk_idx[o] = sel_idx[u][j];
-          out.topk_weights[o] = wgt;
+          out.topk_weights[o] = topk_weight(s, sum[u], p);
           out.topk_scores[o] = s;
           if (out.counts) atomicAdd(out.counts + sel_idx[u][j], 1);
         }

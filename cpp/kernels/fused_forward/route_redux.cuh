@@ -34,6 +34,30 @@ struct ReduxRoute {
            p.top_k <= 32 && p.topk_group >= 1 && p.topk_group <= p.n_group;
   }
 
+  // Rows [0, rows) of scores at `scores` (`stride` floats apart, shared memory), row r token
+  // row0 + r (outputs only below `tokens`), kTok at a time on warp `warp` of `warps`: warp w
+  // takes rows [w·kTok, (w + 1)·kTok), then those `warps`·kTok further on. A spare slot of the
+  // last pass repeats the last row and writes nothing. Every lane of the warp calls this.
+  template <int kTok>
+  __device__ __forceinline__ static void run_rows(const float* scores, int stride, int rows,
+                                                  int64_t row0, int64_t tokens, int warp,
+                                                  int warps, const float* bias,
+                                                  const RouteParams& p, const RouteOut& out) {
+    for (int r0 = warp * kTok; r0 < rows; r0 += warps * kTok) {  // warp-uniform
+      const float* s[kTok];
+      int64_t t[kTok];
+      bool valid[kTok];
+#pragma unroll
+      for (int u = 0; u < kTok; ++u) {
+        const int r = r0 + u < rows ? r0 + u : rows - 1;
+        s[u] = scores + r * stride;
+        t[u] = row0 + r;
+        valid[u] = r0 + u < rows && t[u] < tokens;
+      }
+      run<kTok>(s, bias, p, out, t, valid);
+    }
+  }
+
   // kTok tokens per warp at once (their chains interleave): token u's scores at s[u] (E floats,
   // shared memory), its outputs written where valid[u]. bias: E floats in shared memory. Every
   // lane of the warp calls this.
@@ -55,7 +79,7 @@ struct ReduxRoute {
           key[u][i + 2] = choice_key(v.z + b.z), key[u][i + 3] = choice_key(v.w + b.w);
         }
       }
-    } else {  // odd kPer: lanes kPer words apart, distinct banks
+    } else {  // lanes kPer words apart: distinct banks for odd kPer (E = 64, kPer = 2: two-way)
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const float b = bias[e0 + i];
@@ -150,7 +174,7 @@ struct ReduxRoute {
       if (valid[u] && lane < p.top_k) {
         const int64_t o = t[u] * p.top_k + lane;
         out.topk_idx[o] = idx[u];
-        out.topk_weights[o] = (p.norm ? sel / (sum + 1e-20f) : sel) * p.scale;
+        out.topk_weights[o] = topk_weight(sel, sum, p);
         out.topk_scores[o] = sel;
         if (out.counts) atomicAdd(out.counts + idx[u], 1);
       }

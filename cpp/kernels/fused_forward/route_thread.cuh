@@ -221,7 +221,7 @@ struct ThreadRoute {
       sum += sel[j];
     }
     if (!valid) return;
-    auto weight = [&](float v) { return (p.norm ? v / (sum + 1e-20f) : v) * p.scale; };
+    auto weight = [&](float v) { return topk_weight(v, sum, p); };
     // top_k = kMaxTopK: lane sub writes entries [sub·n, (sub + 1)·n), n = kMaxTopK / kLanes, as
     // one 8- or 16-byte vector per output, where the outputs are aligned for it: whole sectors
     // per warp, a quarter of the store instructions of one entry per store.
