@@ -1414,6 +1414,8 @@ fn forward_optional_outputs(s: &Arc<CudaStream>) {
         (RouterConfig::glm45(8, 4), 1000),  // clusters of 8
         (RouterConfig::glm45(1, 1), 5),     // clusters of 16
         (RouterConfig::glm45(1, 1), 16384), // no split
+        (RouterConfig::glm45(16, 8), 5000), // 192-token tiles in clusters of 4
+        (RouterConfig::glm45(8, 3), 20000), // 192-token tiles, no split
         (small, 129),
     ] {
         let seed = fresh_seed();

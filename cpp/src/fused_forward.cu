@@ -17,38 +17,50 @@ constexpr int64_t kTileT = 128, kTileH = 64;
 // clusters of 4.)
 constexpr const auto& kSplits = kernels::fused_forward::kClusterSizes;
 constexpr int kNumSplits = kernels::fused_forward::kNumClusterSizes;
-// Per-wave cost that does not shrink with the split (pipeline fill, reduction, routing), in
-// hidden blocks of 64 (one block ~0.47 us). Fitted on an H200 (H = 5120, E = 160, one wave
-// per split): 80 blocks per CTA 50 us, 40 blocks 32 us, 20 21.5 us, 10 16.5 us, 5 15.4 us.
-constexpr int64_t kFixedBlocks = 26;
-// A second launch for the last tiles: its start, in blocks.
-constexpr int64_t kTailBlocks = 2;
-// 64-token tiles, in eighths of a 128-token tile's block: the per-wave part that does not shrink
-// with the split, and a block. Fitted on an H200 (H = 5120, E = 160, one wave each): 10 blocks
-// per CTA 11.0 us, 14 12.1 us, 20 13.5 us, 27 16.2 us, 40 19.3-20.2 us, 80 31.3 us.
-constexpr int64_t kHalfFixed = 136, kHalfBlock = 5;
-// A wave's main loop is also bounded by DRAM: its x bytes at ~4.3 TB/s (the main loop of one
-// wave of 128 tiles at H = 5120 on an H200: 168 MB in 39.1 us), here in bytes per eighth of a
-// block (0.47 us / 8). It binds where more than ~125 CTAs stream at once: T = 8192 takes 31.2
-// us as 128 tiles of 64 tokens one CTA each, 32.3 as 64 tiles of 128 in pairs on an H200 (128
-// CTAs and the same x bytes either way; the second plan's CTAs have half the blocks).
-constexpr int64_t kDramBytesPerEighth = 252700;
 
-// Active clusters per split size for one device, read once: the split, hence the order of
-// the logit summation, depends only on the device and T.
+// A wave's cost per token tile, in eighths of a 128-token tile's hidden block (~0.47 us / 8):
+// the part that does not shrink with the split (pipeline fill, reduction, routing; `fixed1`
+// without a split, `fixed` with one), a hidden block of a CTA, and the DRAM bytes of x per
+// eighth (a wave's main loop is also bounded by DRAM; it binds where more than ~125 CTAs
+// stream at once).
+struct TileCost {
+  int tile_t;
+  int64_t fixed1, fixed, block, dram_bytes;
+};
+constexpr TileCost kTileCosts[] = {
+    // 128 tokens. Fitted on an H200 (H = 5120, E = 160, one wave per split): 80 blocks per CTA
+    // 50 us, 40 blocks 32 us, 20 21.5 us, 10 16.5 us, 5 15.4 us: 26 blocks of fixed cost. DRAM:
+    // the main loop of one wave of 128 tiles at H = 5120, 168 MB in 39.1 us (4.3 TB/s).
+    {128, 8 * 26, 8 * 26, 8, 252700},
+    // 64 tokens (half the x bytes per block, half the partial bytes through the cluster
+    // network, twice the tiles). Fitted on an H200: 10 blocks per CTA 11.0 us, 14 12.1 us, 20
+    // 13.5 us, 27 16.2 us, 40 19.3-20.2 us, 80 31.3 us.
+    {64, 136, 136, 5, 252700},
+    // 192 tokens (E = 160). Measured on an H200 (phase timeline, graph replay): unsplit, 80
+    // blocks on 86 CTAs 68.1 us (main loop 51.5: 0.64 us a block; routing 192 rows and the rest
+    // 16.6 us); split, 40 blocks 41.2 us (2), 27 29.4 us (3), 20 27.9 us (4), 14 21.6 us (6);
+    // DRAM: one wave of 128 tiles, 252 MB in 61.7 us (4.1 TB/s with 5 stages in flight).
+    {192, 283, 235, 11, 239700},
+};
+// A second launch for the last tiles: its start, in eighths.
+constexpr int64_t kTailCost = 16;
+
+// Active clusters per tile and split size for one device, read once: the split, hence the order
+// of the logit summation, depends only on the device and T.
+constexpr int kNumTiles = int(sizeof(kTileCosts) / sizeof(kTileCosts[0]));
 struct Occupancy {
-  std::atomic<int> clusters[2][kNumSplits];  // [tile_t == 64][split]
+  std::atomic<int> clusters[kNumTiles][kNumSplits];
 };
 
-int active_clusters(int device, int which, int64_t experts, int tile_t) {
+int active_clusters(int device, int which, int64_t experts, int tile) {
   static Occupancy cached[64] = {};
   std::atomic<int>* slot =
-      device >= 0 && device < 64 ? &cached[device].clusters[tile_t == 64][which] : nullptr;
+      device >= 0 && device < 64 ? &cached[device].clusters[tile][which] : nullptr;
   if (slot) {  // 0: not asked yet; -1: the device has no room for such clusters
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
   int n = 0;
-  const int split = kSplits[which];
+  const int split = kSplits[which], tile_t = kTileCosts[tile].tile_t;
   switch (experts) {
     case 64: n = fused_forward_active_clusters<64>(split, tile_t, device); break;
     case 128: n = fused_forward_active_clusters<128>(split, tile_t, device); break;
@@ -63,26 +75,29 @@ int active_clusters(int device, int which, int64_t experts, int tile_t) {
 // The launch plan with the least estimated time: waves of clusters × (fixed cost + the larger
 // of a CTA's blocks and the wave's x bytes through DRAM). A plan either runs every tile at one
 // split, or runs whole waves at one split and the remaining tiles (a last wave that would leave
-// SMs idle) at another, in a second launch; with 128-token tiles, or with 64-token tiles, whose
+// SMs idle) at another, in a second launch; with 128-token tiles, with 64-token tiles, whose
 // blocks (half the x bytes) and split sums (half the partial bytes through the cluster network,
-// which moves ~20-30 GB/s per SM) cost less, for twice the tiles: the small-T plans.
+// which moves ~20-30 GB/s per SM) cost less, for twice the tiles (the small-T plans), or with
+// 192-token tiles (E = 160), two thirds of the tiles of 128 (one wave where 128-token tiles
+// need a second, or more SMs busy at a split).
 ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
   ForwardPlan best{1, ceil_div(tokens, kTileT), 0, int(kTileT)};
   int64_t best_cost = INT64_MAX;
-  for (const int tile_t : {int(kTileT), 64}) {
+  for (int tile = 0; tile < kNumTiles; ++tile) {
+    const TileCost& tc = kTileCosts[tile];
+    const int tile_t = tc.tile_t;
     const int64_t tiles = ceil_div(tokens, tile_t);
     int clusters[kNumSplits] = {};
     for (int which = 0; which < kNumSplits && kSplits[which] <= hblocks; ++which)
-      clusters[which] = active_clusters(device, which, cfg.n_routed_experts, tile_t);
-    // One wave of n tiles in clusters of kSplits[which], in eighths of a 128-token tile's block:
-    // the fixed part, then the main loop, a CTA's blocks or the wave's x bytes through DRAM.
+      clusters[which] = active_clusters(device, which, cfg.n_routed_experts, tile);
+    // One wave of n tiles in clusters of kSplits[which]: the fixed part, then the main loop, a
+    // CTA's blocks or the wave's x bytes through DRAM.
     const int64_t tile_bytes = int64_t(tile_t) * hblocks * kTileH * 2;
     auto wave = [&](int which, int64_t n) {
       const int64_t blocks = ceil_div(hblocks, int64_t(kSplits[which]));
-      const int64_t loop = std::max(tile_t == kTileT ? 8 * blocks : kHalfBlock * blocks,
-                                    ceil_div(n * tile_bytes, kDramBytesPerEighth));
-      return (tile_t == kTileT ? 8 * kFixedBlocks : kHalfFixed) + loop;
+      const int64_t loop = std::max(tc.block * blocks, ceil_div(n * tile_bytes, tc.dram_bytes));
+      return (kSplits[which] == 1 ? tc.fixed1 : tc.fixed) + loop;
     };
     // `n` tiles in waves of clusters[which]: the full waves, then a partial one.
     auto waves = [&](int which, int64_t n) {
@@ -97,7 +112,7 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
       if (whole == 0 || whole == tiles) continue;
       for (int tail = 0; tail < kNumSplits; ++tail) {
         if (tail == which || clusters[tail] <= 0) continue;
-        const int64_t c = waves(which, whole) + waves(tail, tiles - whole) + 8 * kTailBlocks;
+        const int64_t c = waves(which, whole) + waves(tail, tiles - whole) + kTailCost;
         if (c < best_cost) best = {kSplits[which], whole, kSplits[tail], tile_t}, best_cost = c;
       }
     }

@@ -11,7 +11,7 @@ bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& args);
 Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& args, int device,
                             cudaStream_t stream);
 
-// How the token tiles (of tile_t tokens: 128, or 64 at small T) are launched: tiles
+// How the token tiles (of tile_t tokens: 128; 64 at small T; 192, E = 160) are launched: tiles
 // [0, tiles) in clusters of `split` CTAs (CTAs sharing a token tile along the hidden
 // dimension: 1, 2, 3, 4, 6, 8 or 16), then, where tail_split is not 0, the remaining tiles in
 // a second launch with clusters of tail_split: a last wave that would leave most SMs idle runs

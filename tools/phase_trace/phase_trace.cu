@@ -11,7 +11,9 @@
 //   phase_trace fwd T SPLIT [TILES TAIL]  the forward, clusters of SPLIT CTAs per 128-token
 //                                      tile; with TILES and TAIL, the first TILES tiles so and
 //                                      the rest in a second launch with clusters of TAIL
-//                                      (FWD_TILE=64: 64-token tiles)
+//                                      (FWD_TILE=64 or 192: 64- or 192-token tiles; CHECK
+//                                      set: the indices against 128-token tiles in clusters
+//                                      of one, rows that differ counted)
 //   phase_trace occupancy              the forward's clusters that fit at once, per tile and
 //                                      cluster size (what its launch plan reads)
 //
@@ -184,7 +186,7 @@ int main(int argc, char** argv) {
       a.x = {x[s], int64_t(T * H)}; a.w = {w[s], int64_t(E * H)}; a.bias = {bias, int64_t(E)};
       a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
       const int split = argc > 3 ? atoi(argv[3]) : 1;
-      const int tile_t = getenv("FWD_TILE") ? atoi(getenv("FWD_TILE")) : 128;  // 128 or 64
+      const int tile_t = getenv("FWD_TILE") ? atoi(getenv("FWD_TILE")) : 128;  // 128, 64 or 192
       const int64_t tiles = (T + tile_t - 1) / tile_t;
       grid = int(argc > 5 ? std::max(atoll(argv[4]) * split, (tiles - atoll(argv[4])) * atoi(argv[5]))
                           : tiles * split);
@@ -205,7 +207,28 @@ int main(int argc, char** argv) {
     }
   }
   CK(cudaStreamSynchronize(st));
-  const int n = sets * std::max(1, int(60 / sets));
+  if (!bwd && getenv("CHECK")) {  // set 0's indices and weights against clusters of one
+    std::vector<int32_t> i1(T * K), i2(T * K); std::vector<float> w1(T * K), w2(T * K);
+    CK(cudaMemcpy(i1.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(w1.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemset(idx[0], 0xff, T * K * 4)); CK(cudaMemset(ow[0], 0xff, T * K * 4));
+    ForwardArgs f{}; f.tokens = T;
+    f.x = {x[0], int64_t(T * H)}; f.w = {w[0], int64_t(E * H)}; f.bias = {bias, int64_t(E)};
+    f.topk_idx = {idx[0], int64_t(T * K)}; f.topk_weights = {ow[0], int64_t(T * K)}; f.topk_scores = {sc[0], int64_t(T * K)};
+    detail::ForwardPlan pl; pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
+    if (detail::launch_fused_forward_e<160>(cfg, f, 0, pl, st) != Status::kSuccess) { printf("forward failed\n"); return 1; }
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpy(i2.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(w2.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
+    int64_t rows = 0; double maxd = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      bool same = true;
+      for (int k = 0; k < K; ++k) same = same && i1[t * K + k] == i2[t * K + k];
+      rows += !same;
+      if (same) for (int k = 0; k < K; ++k) maxd = std::max(maxd, double(std::abs(w1[t * K + k] - w2[t * K + k])));
+    }
+    printf("check: %lld of %lld rows choose other experts than clusters of one; max weight difference elsewhere %.3g\n", (long long)rows, (long long)T, maxd);
+  }  const int n = sets * std::max(1, int(60 / sets));
   // GRAPH set: a round's n calls captured once into a CUDA graph and replayed, as the
   // benchmarks time them (else launched one by one from the host).
   cudaGraphExec_t graph = nullptr;

@@ -1,14 +1,16 @@
 // Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
 //
-// A cluster of kSplit CTAs owns one tile of kTileT tokens (128, or 64 at small T) and all E
-// experts; CTA r of the cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the
+// A cluster of kSplit CTAs owns one tile of kTileT tokens (128; 64 at small T; 192 where
+// 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the
 // B = ⌈H/kTileH⌉ blocks.
 // Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
 //   sX  (t, h, stage)  the x tile              wgmma A
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B
 // Two consumer warpgroups accumulate logits(t, e) = Σ_h x(t, h)·w(e, h) in fp32 registers:
 // 64 tokens × E each in 128-token tiles, 64 tokens × E/2 each in 64-token tiles (whose
-// partials, half the bytes, cross the cluster network in half the time). After the main loop
+// partials, half the bytes, cross the cluster network in half the time). 192-token tiles are
+// both at once: rows [0, 128) one 64 × E wgmma per warpgroup (64-row slices of the stage),
+// rows [128, 192) 64 × E/2 per warpgroup (120 accumulators per thread). After the main loop
 // the pipeline buffers are reused as the reduction buffer: every CTA stores its partial logits
 // there, and the CTA that owns a row range reads those rows from every CTA of the cluster
 // (distributed shared memory) and sums them in rank order.
@@ -44,9 +46,12 @@ template <int kExperts_, int kTileT_ = 128>
 struct Config {
   static constexpr int kExperts = kExperts_;
   static constexpr int kTileT = kTileT_;  // tokens per tile
-  static_assert(kTileT == 128 || kTileT == 64, "two warpgroups along t, or along e");
-  // Consumer warpgroups along (t, e): 2 × 1 (64 tokens × E each) or 1 × 2 (64 × E/2).
-  static constexpr int kWgT = kTileT / 64, kWgE = 2 / kWgT;
+  static_assert(kTileT == 128 || kTileT == 64 || kTileT == 192,
+                "two warpgroups along t, along e, or both");
+  // Consumer warpgroups along (t, e): 2 × 1 (64 tokens × E each) or 1 × 2 (64 × E/2); a
+  // 192-token tile is a 128-token tile's rows, then a 64-token tile's (kRowsHi).
+  static constexpr int kRowsHi = kTileT == 192 ? 64 : 0;
+  static constexpr int kWgT = (kTileT - kRowsHi) / 64, kWgE = 2 / kWgT;
   static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
   // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256.
   static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * 2;  // bf16 x and w tiles
@@ -83,6 +88,11 @@ struct Config {
   static_assert(kExperts % (8 * kWgE) == 0, "each warpgroup's share of E is a wgmma N");
   using MmaAtom = decltype(wgmma_atom<kExperts / kWgE>());
   using Mma = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<Int<kWgT>, Int<kWgE>, _1>>{}));
+  // 192-token tiles: one warpgroup's 64 × E wgmma on its 64-row slice of rows [0, 128), and the
+  // two warpgroups' 64 × E/2 on rows [128, 192).
+  using MmaRow = decltype(make_tiled_mma(MmaAtom{}, Layout<Shape<_1, _1, _1>>{}));
+  using MmaHi = decltype(make_tiled_mma(wgmma_atom<kExperts / 2>(), Layout<Shape<_1, _2, _1>>{}));
+  using Rows64 = Shape<_64, TileH, Stages>;  // a 64-row slice of the x stages
   static_assert(size<1>(typename MMA_Atom<MmaAtom>::Shape_MNK{}) * kWgE == kExperts,
                 "one wgmma per warpgroup spans its experts");
 

@@ -7,7 +7,8 @@
 // Warp roles (three warpgroups, one CTA per SM):
 //   producer   (warpgroup 0): one thread issues the TMA loads of x and w.
 //   consumers  (warpgroups 1, 2): wgmma 64×E×16 (128-token tiles) or 64×(E/2)×16 (64-token
-//                                  tiles), fp32 accumulators in registers.
+//                                  tiles), or both (192-token tiles: mainloop.cuh
+//                                  consume_tall), fp32 accumulators in registers.
 // Then, with no global traffic:
 //   barrier 1       the CTA's consumers are past the main loop: its pipeline smem may be
 //                   overwritten (CTA-local: no CTA waits for the cluster's slowest main loop)
@@ -26,6 +27,7 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <type_traits>
 #include <utility>
 
 #include <cute/tensor.hpp>
@@ -140,8 +142,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   static_assert(kExperts <= 128 * Cfg::kConsumers, "one expert's bias per consumer thread");
   const float bias_e = ct < kExperts ? p.bias[ct] : 0.0f;
   typename Cfg::Mma mma;
-  Tensor acc = partition_fragment_C(mma, Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
-  consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
+  // 192-token tiles: rows [0, 128) in `acc` (as a 128-token tile's), rows [128, 192) in acc_hi.
+  constexpr int kRowsHi = Cfg::kRowsHi, kRowsLo = kTileT - kRowsHi;
+  using RowsLo = Int<kRowsLo>;
+  typename Cfg::MmaHi mma_hi;
+  using AccHi = std::conditional_t<(kRowsHi > 0),
+                                   decltype(partition_fragment_C(mma_hi, Shape<_64, typename Cfg::Experts>{})),
+                                   int>;
+  Tensor acc = partition_fragment_C(mma, Shape<RowsLo, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
+  AccHi acc_hi;  // (MMA, MMA_M, MMA_N) of rows [128, 192)
+  if constexpr (kRowsHi > 0) consume_tall<Cfg>(smem, ct, kb_begin, kb_end, acc, acc_hi);
+  else consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
   if (ct < kExperts) smem.bias[ct] = bias_e;
   MOE_ROUTING_TRACE(ct == 0, 3);
 
@@ -162,16 +173,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // computed here from registers (0 + x: the bits of a sum that starts at zero).
   const bool scores_now = thread_route && split == 1;
   {
-    Tensor cC = make_identity_tensor(Shape<typename Cfg::TileT, typename Cfg::Experts>{});  // (t, e) → (t, e)
+    Tensor cC = make_identity_tensor(Shape<RowsLo, typename Cfg::Experts>{});  // (t, e) → (t, e)
     Tensor tCcC = mma.get_thread_slice(ct).partition_C(cC);  // (MMA, MMA_M, MMA_N), like acc
     static_assert(decltype(size(tCcC))::value == decltype(size(acc))::value, "coordinates");
     static_assert(size<0, 0>(decltype(tCcC){}) == 2, "accumulator pairs run along e");
-    auto store = [&](auto transform) {
+    auto store_frag = [&](auto& frag, auto& coords, float* dst, auto transform) {
       CUTE_UNROLL
-      for (int i = 0; i < size(acc); i += 2) {
-        const int m = get<0>(tCcC(i)), e = get<1>(tCcC(i));
-        *reinterpret_cast<float2*>(red + m * kStride + e) =
-            make_float2(transform(acc(i)), transform(acc(i + 1)));
+      for (int i = 0; i < size(frag); i += 2) {
+        const int m = get<0>(coords(i)), e = get<1>(coords(i));
+        *reinterpret_cast<float2*>(dst + m * kStride + e) =
+            make_float2(transform(frag(i)), transform(frag(i + 1)));
+      }
+    };
+    auto store = [&](auto transform) {
+      store_frag(acc, tCcC, red, transform);
+      if constexpr (kRowsHi > 0) {
+        Tensor cH = make_identity_tensor(Shape<_64, typename Cfg::Experts>{});  // (t, e) → (t, e)
+        Tensor tHcH = mma_hi.get_thread_slice(ct).partition_C(cH);  // like acc_hi
+        static_assert(decltype(size(tHcH))::value == decltype(size(acc_hi))::value, "coordinates");
+        store_frag(acc_hi, tHcH, red + kRowsLo * kStride, transform);
       }
     };
     if (scores_now) store([](float x) { return sigmoid(0.0f + x); });
@@ -222,10 +242,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     // take part (the lanes of a token shuffle with full masks): where the cluster size does not
     // divide kTileT (kUneven: 3 or 6 CTAs, 21 to 43 rows), the last warp's spare lane groups
     // route a copy of the last row, with group keys of their own and no outputs.
-    auto route = [&](auto lanes, auto uneven) {
+    // `base`: the first of the rows routed (a second pass where a CTA has more rows than 128).
+    auto route = [&](auto lanes, auto uneven, int base = 0) {
       constexpr int kLanes = decltype(lanes)::value;
       constexpr bool kUneven = decltype(uneven)::value;
-      const int r = ct / kLanes;
+      const int r = base + ct / kLanes;
       if (kUneven ? (r & ~(32 / kLanes - 1)) < rows : r < rows) {
         const int row = kUneven && r >= rows ? rows - 1 : r;
         uint32_t* group_keys = reinterpret_cast<uint32_t*>(red + kTileT * kStride) + r;
@@ -252,6 +273,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
         if (rows <= kWarps) route_warps(Int<1>{});
         else route_warps(Int<2>{});
       }
+    } else if (rows > 64 * Cfg::kConsumers) {
+      // 192 rows (192-token tiles unsplit): 128 at 2 lanes each, then the rest at 4.
+      static_assert(kTileT <= 96 * Cfg::kConsumers, "two passes");
+      route(Int<cute::min(2, kMaxLanes)>{}, cute::false_type{});
+      route(Int<cute::min(4, kMaxLanes)>{}, cute::false_type{}, 64 * Cfg::kConsumers);
     } else if (kTileT % split != 0) {
       if (lanes >= 8 && kMaxLanes >= 8) route(Int<cute::min(8, kMaxLanes)>{}, cute::true_type{});
       else route(Int<cute::min(4, kMaxLanes)>{}, cute::true_type{});

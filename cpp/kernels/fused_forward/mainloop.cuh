@@ -88,4 +88,52 @@ __device__ void consume(typename Cfg::SharedStorage& smem, int ct, int kb_begin,
   // The last stage is not released: the producer has nothing left to load.
 }
 
+// 192-token tiles (Cfg::kRowsHi = 64), as consume: warpgroup wg's 64 × E wgmma on rows
+// [64·wg, 64·wg + 64) into acc_lo, both warpgroups' 64 × E/2 on rows [128, 192) into acc_hi.
+template <class Cfg, class AccLo, class AccHi>
+__device__ void consume_tall(typename Cfg::SharedStorage& smem, int ct, int kb_begin, int kb_end,
+                             AccLo& acc_lo, AccHi& acc_hi) {
+  static_assert(Cfg::kRowsHi == 64 && Cfg::kTileT == 192, "192-token tiles");
+  constexpr int kStages = Cfg::kStages;
+  Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
+  Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
+  Tensor sXlo = local_tile(sX, typename Cfg::Rows64{}, make_coord(ct / 128, 0, 0));  // (64, h, stage)
+  Tensor sXhi = local_tile(sX, typename Cfg::Rows64{}, make_coord(2, 0, 0));         // (64, h, stage)
+  typename Cfg::MmaRow mma_lo;
+  typename Cfg::MmaHi mma_hi;
+  auto thr_lo = mma_lo.get_thread_slice(ct % 128);
+  auto thr_hi = mma_hi.get_thread_slice(ct);
+  Tensor tLrX = thr_lo.make_fragment_A(thr_lo.partition_A(sXlo));  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tLrW = thr_lo.make_fragment_B(thr_lo.partition_B(sW));    // (MMA, MMA_N, MMA_K, stage)
+  Tensor tHrX = thr_hi.make_fragment_A(thr_hi.partition_A(sXhi));
+  Tensor tHrW = thr_hi.make_fragment_B(thr_hi.partition_B(sW));
+
+  const int blocks = kb_end - kb_begin;
+  mma_lo.accumulate_ = GMMA::ScaleOut::Zero;
+  mma_hi.accumulate_ = GMMA::ScaleOut::Zero;
+  for (int n = 0; n < blocks; ++n) {
+    const int s = n % kStages;
+    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+    MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
+    warpgroup_fence_operand(acc_lo);
+    warpgroup_fence_operand(acc_hi);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tLrX); ++k) {
+      gemm(mma_lo, tLrX(_, _, k, s), tLrW(_, _, k, s), acc_lo);
+      gemm(mma_hi, tHrX(_, _, k, s), tHrW(_, _, k, s), acc_hi);
+      mma_lo.accumulate_ = GMMA::ScaleOut::One;
+      mma_hi.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc_lo);
+    warpgroup_fence_operand(acc_hi);
+    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_lo);
+  warpgroup_fence_operand(acc_hi);
+}
+
 }  // namespace moe_routing::kernels::fused_forward
