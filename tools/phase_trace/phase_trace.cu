@@ -95,7 +95,7 @@ static void dump_trace(int nctas, const char* label) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && !strcmp(argv[1], "occupancy")) {  // the forward plan's inputs
-    for (int tile : {128, 64})
+    for (int tile : {128, 64, 192})
       for (int split : kernels::fused_forward::kClusterSizes)
         printf("fwd tile %d split %d: %d clusters at once\n", tile, split,
                detail::fused_forward_active_clusters<160>(split, tile, 0));
