@@ -49,12 +49,36 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
   }
 }
 
+// The consumers' pipeline over `blocks` hidden blocks: per block, wait for its stage, issue(s)
+// its wgmmas as one batch, keep one batch in flight and give the previous block's stage back.
+// fence(): warpgroup_fence_operand on every accumulator.
+template <class Cfg, class Fence, class Issue>
+__device__ __forceinline__ void consume_blocks(typename Cfg::SharedStorage& smem, int ct,
+                                               int blocks, Fence&& fence, Issue&& issue) {
+  constexpr int kStages = Cfg::kStages;
+  for (int n = 0; n < blocks; ++n) {
+    const int s = n % kStages;
+    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+    MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
+    fence();
+    warpgroup_arrive();
+    issue(s);
+    warpgroup_commit_batch();
+    // One batch in flight: the previous block's wgmmas are done, so its stage goes back.
+    warpgroup_wait<1>();
+    fence();
+    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
+  }
+  warpgroup_wait<0>();
+  fence();
+  // The last stage is not released: the producer has nothing left to load.
+}
+
 // Consumer thread `ct` (0..255): accumulates its part of logits(t, e) over the CTA's blocks.
 // Needs kb_end > kb_begin (the accumulator starts with a zero-scaled wgmma).
 template <class Cfg, class Acc>
 __device__ void consume(typename Cfg::SharedStorage& smem, int ct, int kb_begin, int kb_end,
                         Acc& acc) {
-  constexpr int kStages = Cfg::kStages;
   Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
   typename Cfg::Mma mma;
@@ -64,28 +88,16 @@ __device__ void consume(typename Cfg::SharedStorage& smem, int ct, int kb_begin,
   Tensor tCrX = thr.make_fragment_A(tCsX);  // smem descriptors
   Tensor tCrW = thr.make_fragment_B(tCsW);
 
-  const int blocks = kb_end - kb_begin;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int n = 0; n < blocks; ++n) {
-    const int s = n % kStages;
-    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
-    MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tCrX); ++k) {
-      gemm(mma, tCrX(_, _, k, s), tCrW(_, _, k, s), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    // One batch in flight: the previous block's wgmmas are done, so its stage goes back.
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(acc);
-    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  // The last stage is not released: the producer has nothing left to load.
+  consume_blocks<Cfg>(
+      smem, ct, kb_end - kb_begin, [&] { warpgroup_fence_operand(acc); },
+      [&](int s) {
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tCrX); ++k) {
+          gemm(mma, tCrX(_, _, k, s), tCrW(_, _, k, s), acc);
+          mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+      });
 }
 
 // 192-token tiles (Cfg::kRowsHi = 64), as consume: warpgroup wg's 64 × E wgmma on rows
@@ -94,7 +106,6 @@ template <class Cfg, class AccLo, class AccHi>
 __device__ void consume_tall(typename Cfg::SharedStorage& smem, int ct, int kb_begin, int kb_end,
                              AccLo& acc_lo, AccHi& acc_hi) {
   static_assert(Cfg::kRowsHi == 64 && Cfg::kTileT == 192, "192-token tiles");
-  constexpr int kStages = Cfg::kStages;
   Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
   Tensor sXlo = local_tile(sX, typename Cfg::Rows64{}, make_coord(ct / 128, 0, 0));  // (64, h, stage)
@@ -108,32 +119,23 @@ __device__ void consume_tall(typename Cfg::SharedStorage& smem, int ct, int kb_b
   Tensor tHrX = thr_hi.make_fragment_A(thr_hi.partition_A(sXhi));
   Tensor tHrW = thr_hi.make_fragment_B(thr_hi.partition_B(sW));
 
-  const int blocks = kb_end - kb_begin;
   mma_lo.accumulate_ = GMMA::ScaleOut::Zero;
   mma_hi.accumulate_ = GMMA::ScaleOut::Zero;
-  for (int n = 0; n < blocks; ++n) {
-    const int s = n % kStages;
-    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
-    MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-    warpgroup_fence_operand(acc_lo);
-    warpgroup_fence_operand(acc_hi);
-    warpgroup_arrive();
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tLrX); ++k) {
-      gemm(mma_lo, tLrX(_, _, k, s), tLrW(_, _, k, s), acc_lo);
-      gemm(mma_hi, tHrX(_, _, k, s), tHrW(_, _, k, s), acc_hi);
-      mma_lo.accumulate_ = GMMA::ScaleOut::One;
-      mma_hi.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(acc_lo);
-    warpgroup_fence_operand(acc_hi);
-    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_lo);
-  warpgroup_fence_operand(acc_hi);
+  consume_blocks<Cfg>(
+      smem, ct, kb_end - kb_begin,
+      [&] {
+        warpgroup_fence_operand(acc_lo);
+        warpgroup_fence_operand(acc_hi);
+      },
+      [&](int s) {
+        CUTE_UNROLL
+        for (int k = 0; k < size<2>(tLrX); ++k) {
+          gemm(mma_lo, tLrX(_, _, k, s), tLrW(_, _, k, s), acc_lo);
+          gemm(mma_hi, tHrX(_, _, k, s), tHrW(_, _, k, s), acc_hi);
+          mma_lo.accumulate_ = GMMA::ScaleOut::One;
+          mma_hi.accumulate_ = GMMA::ScaleOut::One;
+        }
+      });
 }
 
 }  // namespace moe_routing::kernels::fused_forward
