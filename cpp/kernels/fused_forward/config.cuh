@@ -1,8 +1,8 @@
 // Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
 //
 // A cluster of kSplit CTAs owns one tile of kTileT tokens (128; 64 at small T; 192 where
-// 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the
-// B = ⌈H/kTileH⌉ blocks.
+// 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster
+// covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
 // Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
 //   sX  (t, h, stage)  the x tile              wgmma A
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B

@@ -146,9 +146,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   constexpr int kRowsHi = Cfg::kRowsHi, kRowsLo = kTileT - kRowsHi;
   using RowsLo = Int<kRowsLo>;
   typename Cfg::MmaHi mma_hi;
+  using HiShape = Shape<_64, typename Cfg::Experts>;
   using AccHi = std::conditional_t<(kRowsHi > 0),
-                                   decltype(partition_fragment_C(mma_hi, Shape<_64, typename Cfg::Experts>{})),
-                                   int>;
+                                   decltype(partition_fragment_C(mma_hi, HiShape{})), int>;
   Tensor acc = partition_fragment_C(mma, Shape<RowsLo, typename Cfg::Experts>{});  // (MMA, MMA_M, MMA_N)
   AccHi acc_hi;  // (MMA, MMA_M, MMA_N) of rows [128, 192)
   if constexpr (kRowsHi > 0) consume_tall<Cfg>(smem, ct, kb_begin, kb_end, acc, acc_hi);
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     auto store = [&](auto transform) {
       store_frag(acc, tCcC, red, transform);
       if constexpr (kRowsHi > 0) {
-        Tensor cH = make_identity_tensor(Shape<_64, typename Cfg::Experts>{});  // (t, e) → (t, e)
+        Tensor cH = make_identity_tensor(HiShape{});  // (t, e) → (t, e)
         Tensor tHcH = mma_hi.get_thread_slice(ct).partition_C(cH);  // like acc_hi
         static_assert(decltype(size(tHcH))::value == decltype(size(acc_hi))::value, "coordinates");
         store_frag(acc_hi, tHcH, red + kRowsLo * kStride, transform);
