@@ -1101,6 +1101,26 @@ fn fused_configs() -> Vec<(RouterConfig, usize)> {
             },
             200,
         ),
+        // 192-token tiles (E = 160, H200 plan): unsplit with K > 8 (192 rows through the 8-lane
+        // routing), and in pairs with 20 groups (96 rows per CTA, few lanes per token).
+        (
+            RouterConfig {
+                n_group: 32,
+                topk_group: 5,
+                num_experts_per_tok: 16,
+                ..glm(1, 1)
+            },
+            20000,
+        ),
+        (
+            RouterConfig {
+                n_group: 20,
+                topk_group: 3,
+                norm_topk_prob: false,
+                ..glm(1, 1)
+            },
+            10007,
+        ),
         // Hidden tails: not a multiple of the 64-wide block (TMA zero fill), and tiny (split 1).
         (
             RouterConfig {
