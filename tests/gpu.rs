@@ -28,6 +28,10 @@ fn main() {
     let tests: &[Test] = &[
         ("forward_small_shapes", forward_small_shapes),
         ("forward_fused_shapes", forward_fused_shapes),
+        (
+            "forward_plans_per_expert_count",
+            forward_plans_per_expert_count,
+        ),
         ("forward_ties_and_nan", forward_ties_and_nan),
         ("forward_near_ties_exact", forward_near_ties_exact),
         ("forward_optional_outputs", forward_optional_outputs),
@@ -1195,6 +1199,26 @@ fn forward_fused_shapes(s: &Arc<CudaStream>) {
             "  H={:<5} T={tokens:<5} groups {:>2}/{:<2} K={:<2} near-tie rows differing {ties:>2}, rel err {err:.1e}",
             cfg.hidden_size, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok
         );
+    }
+}
+
+/// The launch plan is per expert count: 192-token tiles exist for E = 160 alone, so a process
+/// that routes with E = 160 and then with E = 256 must not plan the second with the first's
+/// tiles (at T = 10007 the E = 160 plan takes 192-token tiles).
+fn forward_plans_per_expert_count(s: &Arc<CudaStream>) {
+    let e160 = RouterConfig::glm45(8, 4);
+    let e256 = RouterConfig {
+        n_routed_experts: 256,
+        ..RouterConfig::glm45(8, 4)
+    };
+    for (cfg, tokens) in [(e160, 10007), (e256, 10007), (e160, 10007)] {
+        let seed = fresh_seed();
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        let label = format!("E={} T={tokens} seed {seed}", cfg.n_routed_experts);
+        let (ties, err) = check_forward(&cfg, tokens, &inp, &fwd, &label);
+        println!("  {label}: near-tie rows differing {ties}, rel err {err:.1e}");
     }
 }
 

@@ -45,17 +45,23 @@ constexpr TileCost kTileCosts[] = {
 // A second launch for the last tiles: its start, in eighths.
 constexpr int64_t kTailCost = 16;
 
-// Active clusters per tile and split size for one device, read once: the split, hence the order
-// of the logit summation, depends only on the device and T.
+// Active clusters per expert count, tile and split size for one device, read once: the split,
+// hence the order of the logit summation, depends only on the device, E and T. (Per E: the
+// kernels differ in shared memory, and 192-token tiles exist for E = 160 alone.)
 constexpr int kNumTiles = int(sizeof(kTileCosts) / sizeof(kTileCosts[0]));
+constexpr int64_t kFusedExperts[] = {64, 128, 160, 256};
+constexpr int kNumExperts = int(sizeof(kFusedExperts) / sizeof(kFusedExperts[0]));
 struct Occupancy {
-  std::atomic<int> clusters[kNumTiles][kNumSplits];
+  std::atomic<int> clusters[kNumExperts][kNumTiles][kNumSplits];
 };
 
 int active_clusters(int device, int which, int64_t experts, int tile) {
   static Occupancy cached[64] = {};
-  std::atomic<int>* slot =
-      device >= 0 && device < 64 ? &cached[device].clusters[tile][which] : nullptr;
+  int e = 0;
+  while (e < kNumExperts && kFusedExperts[e] != experts) ++e;
+  std::atomic<int>* slot = device >= 0 && device < 64 && e < kNumExperts
+                               ? &cached[device].clusters[e][tile][which]
+                               : nullptr;
   if (slot) {  // 0: not asked yet; -1: the device has no room for such clusters
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
