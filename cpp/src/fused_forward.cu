@@ -49,16 +49,23 @@ constexpr int64_t kTailCost = 16;
 // hence the order of the logit summation, depends only on the device, E and T. (Per E: the
 // kernels differ in shared memory, and 192-token tiles exist for E = 160 alone.)
 constexpr int kNumTiles = int(sizeof(kTileCosts) / sizeof(kTileCosts[0]));
+// E with an instantiation (fused_forward_e*.cu).
 constexpr int64_t kFusedExperts[] = {64, 128, 160, 256};
 constexpr int kNumExperts = int(sizeof(kFusedExperts) / sizeof(kFusedExperts[0]));
 struct Occupancy {
   std::atomic<int> clusters[kNumExperts][kNumTiles][kNumSplits];
 };
 
-int active_clusters(int device, int which, int64_t experts, int tile) {
-  static Occupancy cached[64] = {};
+// The index of E in kFusedExperts, kNumExperts where it has no fused kernel.
+int experts_index(int64_t experts) {
   int e = 0;
   while (e < kNumExperts && kFusedExperts[e] != experts) ++e;
+  return e;
+}
+
+int active_clusters(int device, int which, int64_t experts, int tile) {
+  static Occupancy cached[64] = {};
+  const int e = experts_index(experts);
   std::atomic<int>* slot = device >= 0 && device < 64 && e < kNumExperts
                                ? &cached[device].clusters[e][tile][which]
                                : nullptr;
@@ -133,8 +140,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
   // The routing epilogue keeps the kept groups in a 32-bit mask; TMA needs 16-byte aligned
   // bases and row strides (H % 8 == 0 is validated); the cluster needs hblocks >= 1.
-  const int64_t e = cfg.n_routed_experts;
-  return (e == 64 || e == 128 || e == 160 || e == 256) && cfg.n_group <= 32 &&
+  return experts_index(cfg.n_routed_experts) < kNumExperts && cfg.n_group <= 32 &&
          cfg.num_experts_per_tok <= 16 &&
          aligned16(a.x.data) && aligned16(a.w.data) && a.tokens <= int64_t(INT32_MAX);
 }

@@ -149,6 +149,13 @@ int main(int argc, char** argv) {
   }
   CK(cudaDeviceSynchronize());
   int grid = 0;
+  // The forward's arguments on input set s.
+  auto forward_args = [&](int s) {
+    ForwardArgs a{}; a.tokens = T;
+    a.x = {x[s], int64_t(T * H)}; a.w = {w[s], int64_t(E * H)}; a.bias = {bias, int64_t(E)};
+    a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
+    return a;
+  };
   auto call = [&](int s) -> int {
     if (bwd) {
       BackwardArgs a{}; a.tokens = T;
@@ -182,9 +189,7 @@ int main(int argc, char** argv) {
       acc.accumulate_grad_w = true;
       return int(pass(kPassResidual, acc));
     } else {
-      ForwardArgs a{}; a.tokens = T;
-      a.x = {x[s], int64_t(T * H)}; a.w = {w[s], int64_t(E * H)}; a.bias = {bias, int64_t(E)};
-      a.topk_idx = {idx[s], int64_t(T * K)}; a.topk_weights = {ow[s], int64_t(T * K)}; a.topk_scores = {sc[s], int64_t(T * K)};
+      const ForwardArgs a = forward_args(s);
       const int split = argc > 3 ? atoi(argv[3]) : 1;
       const int tile_t = getenv("FWD_TILE") ? atoi(getenv("FWD_TILE")) : 128;  // 128, 64 or 192
       const int64_t tiles = (T + tile_t - 1) / tile_t;
@@ -212,9 +217,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(i1.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(w1.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemset(idx[0], 0xff, T * K * 4)); CK(cudaMemset(ow[0], 0xff, T * K * 4));
-    ForwardArgs f{}; f.tokens = T;
-    f.x = {x[0], int64_t(T * H)}; f.w = {w[0], int64_t(E * H)}; f.bias = {bias, int64_t(E)};
-    f.topk_idx = {idx[0], int64_t(T * K)}; f.topk_weights = {ow[0], int64_t(T * K)}; f.topk_scores = {sc[0], int64_t(T * K)};
+    const ForwardArgs f = forward_args(0);
     detail::ForwardPlan pl; pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
     if (detail::launch_fused_forward_e<160>(cfg, f, 0, pl, st) != Status::kSuccess) { printf("forward failed\n"); return 1; }
     CK(cudaStreamSynchronize(st));
@@ -228,7 +231,8 @@ int main(int argc, char** argv) {
       if (same) for (int k = 0; k < K; ++k) maxd = std::max(maxd, double(std::abs(w1[t * K + k] - w2[t * K + k])));
     }
     printf("check: %lld of %lld rows choose other experts than clusters of one; max weight difference elsewhere %.3g\n", (long long)rows, (long long)T, maxd);
-  }  const int n = sets * std::max(1, int(60 / sets));
+  }
+  const int n = sets * std::max(1, int(60 / sets));
   // GRAPH set: a round's n calls captured once into a CUDA graph and replayed, as the
   // benchmarks time them (else launched one by one from the host).
   cudaGraphExec_t graph = nullptr;
