@@ -26,14 +26,29 @@ int sm_count(int device) {
   return n;
 }
 
-// Clusters of k CTAs (k = 2..8) that fit on a device at once, read once per device.
-int active_clusters(int device, int k) {
-  static std::atomic<int> cached[64][9] = {};
-  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device][k] : nullptr;
+// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kSplitE).
+constexpr int kWideExperts[] = {128, 160};
+constexpr int kNumWide = int(sizeof(kWideExperts) / sizeof(kWideExperts[0]));
+
+// The index of E in kWideExperts, kNumWide where it has no 128-column kernel.
+int wide_index(int64_t experts) {
+  int e = 0;
+  while (e < kNumWide && kWideExperts[e] != experts) ++e;
+  return e;
+}
+
+// Clusters of k CTAs (k = 2..8) of the 128-column kernel for E that fit on a device at once,
+// read once per device and E (the kernels' shared memory differs with E).
+int active_clusters(int device, int64_t experts, int k) {
+  static std::atomic<int> cached[64][kNumWide][9] = {};
+  const int e = wide_index(experts);
+  if (e == kNumWide) return 0;
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device][e][k] : nullptr;
   if (slot) {  // 0: not asked yet; -1: none fit
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
-  const int n = fused_backward_active_clusters<160, 8>(k, device);
+  const int n = experts == 128 ? fused_backward_active_clusters<128, 8>(k, device)
+                               : fused_backward_active_clusters<160, 8>(k, device);
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
@@ -53,7 +68,7 @@ int active_clusters(int device, int k) {
 // (last-CTA sum). Where twice as many 64-column slices fit on the SMs, each CTA may instead
 // take one whole 64-column slice: no partial sums at all, a unit about kUnit64 of a 128-column
 // one.
-BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
+BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   constexpr double kUnit64 = 0.6;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
@@ -68,7 +83,7 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
     GradWSum sum = GradWSum::kLastCta;
     double cost = kWritePartial + kReadPartial * double(k);
     if (spread && kSpreadSum < cost) sum = GradWSum::kSpread, cost = kSpreadSum;
-    if (k <= 8 && kClusterSum < cost && active_clusters(device, int(k)) >= slices)
+    if (k <= 8 && kClusterSum < cost && active_clusters(device, experts, int(k)) >= slices)
       sum = GradWSum::kCluster, cost = kClusterSum;
     cost += double(ceil_div(tiles, k));
     if (cost < best_cost) best = {int(k * slices), int(k), sum}, best_cost = cost;
@@ -78,20 +93,36 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int num_sms, int device) {
 
 Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
                      const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
-  return pl.tile_h == 64
-             ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, passes)
-             : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, passes);
+  const bool h64 = pl.tile_h == 64;
+  switch (cfg.n_routed_experts) {
+    case 128:
+      return h64 ? launch_fused_backward_e<128, 8, 64>(cfg, a, device, pl, stream, passes)
+                 : launch_fused_backward_e<128, 8, 128>(cfg, a, device, pl, stream, passes);
+    case 160:
+      return h64 ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, passes)
+                 : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, passes);
+    case 256:
+      return h64 ? launch_fused_backward_e<256, 8, 64>(cfg, a, device, pl, stream, passes)
+                 : Status::kUnsupported;
+    default:
+      return Status::kUnsupported;
+  }
 }
 
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
-  return cfg.n_routed_experts == 160 && cfg.num_experts_per_tok == 8 &&
-         cfg.hidden_size % kTileH == 0;
+  if (cfg.num_experts_per_tok != 8) return false;
+  // 128 and 160 experts: 128-column slices, or 64-column ones at small T.
+  if (wide_index(cfg.n_routed_experts) < kNumWide) return cfg.hidden_size % kTileH == 0;
+  // 256 experts (DeepSeek-V3): 64-column slices, one CTA each, at every T.
+  return cfg.n_routed_experts == 256 && cfg.hidden_size % 64 == 0 &&
+         cfg.hidden_size / 64 <= kMaxCounterSlices;
 }
 
 size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
-  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas.
+  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (256
+  // experts: 64-column slices, one CTA each, no partials.)
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = ceil_div(tokens, kTileT) * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
@@ -106,7 +137,10 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
                              cudaStream_t stream) {
   if (!fused_backward_supported(cfg)) return Status::kUnsupported;
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
-  const BackwardPlan pl = plan(tiles, slices, sm_count(device), device);
+  const BackwardPlan pl =
+      wide_index(cfg.n_routed_experts) < kNumWide
+          ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device)
+          : BackwardPlan{int(cfg.hidden_size / 64), 1, GradWSum::kLastCta, 64};
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
   if (pl.one_segment_per_cta(slices))

@@ -10,7 +10,9 @@
 //   wgrad  grad_wᵀ(h, e) += Σ_t xᵀ(h, t) · G(t, e)    A = sX (MN-major),  B = sGᵀ (MN-major)
 // kTileH = 128: each warpgroup owns 64 hidden columns of both GEMMs. kTileH = 64 (small T:
 // twice the slices, half the work per unit): each warpgroup owns 64 tokens of dgrad and of
-// wgrad's inner dimension, and the two wgrad partials are added at the end of the segment.
+// wgrad's inner dimension, and the two wgrad partials are added at the end of the segment; or,
+// with 256 experts (kSplitE: grad_w of all of them would not fit in registers beside w), 64
+// tokens of dgrad and half the experts of wgrad, over all the unit's tokens.
 // wgrad reads the same sG tile through a transposed view: the K-major SW64 atom of G, read
 // column-wise, is the MN-major SW64 atom of Gᵀ. With w in registers, shared memory holds a
 // third x stage instead, and the tensor cores read 40 KB less of it per unit.
@@ -34,9 +36,15 @@ struct Config {
   static_assert(kTileH == 128 || kTileH == 64, "a slice is one or two warpgroups' 64 rows");
   // The consumer warpgroups split the unit's tokens (kTileH = 64) or its hidden columns.
   static constexpr bool kSplitT = kTileH == 64;
+  // wgrad's experts split between the warpgroups (kTileH = 64 only). Per consumer thread
+  // grad_w takes E / 2 registers (E / 4 split), w's fragment E / 4, dgrad's 32 (kTileH = 64)
+  // or 64: all E do not fit beside the rest at E = 256.
+  static constexpr bool kSplitE = kSplitT && kExperts > 192;
   static constexpr int kDgradN = kSplitT ? kTileT / 2 : kTileT;  // dgrad's N per warpgroup
-  // wgrad k-steps (16 tokens) per warpgroup; with kSplitT warpgroup w takes [w, w + 1) · it.
-  static constexpr int kWgradSteps = kSplitT ? kTileT / 32 : kTileT / 16;
+  static constexpr int kWgradN = kSplitE ? kExperts / 2 : kExperts;  // wgrad's N per warpgroup
+  // wgrad k-steps (16 tokens) per warpgroup; with kSplitT (not kSplitE) warpgroup w takes
+  // [w, w + 1) · it.
+  static constexpr int kWgradSteps = kSplitT && !kSplitE ? kTileT / 32 : kTileT / 16;
   // Units ahead of the routing loads that their rows are prefetched into L1 (3: the best of
   // 1, 2, 3 and 5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
   static constexpr int kRoutingPrefetch = 3;
@@ -50,12 +58,15 @@ struct Config {
   static_assert(kBuilders == kTileT, "one builder per token of the tile");
   // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
   // the producer gives up from the 168 per thread of a 384-thread CTA, or they wait forever.
-  static constexpr int kProducerRegs = 72;
-  static constexpr int kConsumerRegs = 216;
+  // kSplitE: w's fragment is E / 4 = 64 registers; the builders fit in 56.
+  static constexpr int kProducerRegs = kSplitE ? 56 : 72;
+  static constexpr int kConsumerRegs = kSplitE ? 224 : 216;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168,
                 "register reallocation must balance");
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
+  static_assert(kSplitT || kExperts <= 160, "kTileH = 128: two G stages and grad_w in registers");
+  static_assert(!kSplitE || kWgradN % 32 == 0, "each warpgroup's experts are whole SW64 atoms");
   static_assert(kExperts <= 256, "previous indices are kept as bytes");
   static_assert(kTopK % 4 == 0 && kTopK <= 16, "K: rows load as 16-byte vectors");
   static_assert(kStagesG >= 2 && kStagesX >= kStagesG, "x runs at least as far ahead as G");
@@ -68,9 +79,11 @@ struct Config {
   // (t, e, stage): K-major, dgrad's B. (routing_grad_tile.cuh computes these offsets itself.)
   using SmemLayoutG = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Elem>{},
                                              Shape<TileT, Experts, Int<kStagesG>>{}));
-  // (e, t, stage): the same bytes, as wgrad's MN-major B.
+  // (e, t, stage): the same bytes, as wgrad's MN-major B; kSplitE: a warpgroup's kWgradN
+  // experts, from its half's first atom (kTileT · kWgradN elements on per warpgroup: the
+  // atoms of 32 experts are tiled t first, so a half is a contiguous run of them per stage).
   using SmemLayoutGt = decltype(composition(
-      SmemLayoutG{}, make_layout(Shape<Experts, TileT, Int<kStagesG>>{},
+      SmemLayoutG{}, make_layout(Shape<Int<kWgradN>, TileT, Int<kStagesG>>{},
                                  make_stride(TileT{}, _1{}, Int<kTileT * kExperts>{}))));
   // (h, t, stage): x tile, h contiguous; wgrad's MN-major A.
   // Atoms ordered t-first so that a TMA box is 64 h × kTileT t.
@@ -96,16 +109,18 @@ struct Config {
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kDgradN>, _16>,
                                  GMMA::Major::K, GMMA::Major::K>(),
       DgradWarpgroups{}));
-  // kSplitT: one warpgroup's MMA, the same (h, e) for both, each over its own k-steps.
+  // kSplitT: one warpgroup's MMA, the same h for both, each over its own k-steps (or, kSplitE,
+  // its own experts).
   using WgradWarpgroups = std::conditional_t<kSplitT, Layout<Shape<_1, _1, _1>>,
                                              Layout<Shape<_2, _1, _1>>>;
   using MmaWgrad = decltype(make_tiled_mma(
-      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Experts, _16>, GMMA::Major::MN,
-                                 GMMA::Major::MN>(),
+      SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kWgradN>, _16>,
+                                 GMMA::Major::MN, GMMA::Major::MN>(),
       WgradWarpgroups{}));
-  // One wgmma spans all experts: a narrower one would re-read the x tile once per N block.
-  // (CuTe selects N = 160 only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by the build.)
-  static_assert(size<1>(typename MmaWgrad::AtomShape_MNK{}) == kExperts, "wgrad: N = E");
+  // One wgmma spans a warpgroup's experts: a narrower one would re-read the x tile once per N
+  // block. (CuTe selects N = 160 only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set by the
+  // build.)
+  static_assert(size<1>(typename MmaWgrad::AtomShape_MNK{}) == kWgradN, "wgrad: N");
   static_assert(size<1>(typename MmaDgrad::AtomShape_MNK{}) == kDgradN, "dgrad: N");
   // grad_xᵀ accumulator (h, t) → staging with h contiguous: transposing 8×8 matrix stores.
   using CopyGX = Copy_Atom<SM90_U16x8_STSM_T, Elem>;

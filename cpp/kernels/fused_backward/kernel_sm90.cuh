@@ -5,10 +5,12 @@
 //   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
 //              per thread; thread 0 also issues the TMA loads of x, ahead of G.
 //   consumers  warpgroups 1, 2 (64 hidden columns each; kTileH = 64: 64 tokens of each unit
-//              each): dgrad from the register-resident slice of w into registers → bf16 →
-//              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
-//              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
-//              ptxas serialize every wgmma: it cannot track the groups across that loop.)
+//              each, and with kSplitE half the experts of wgrad each): dgrad from the
+//              register-resident slice of w into registers → bf16 → transposing stores → TMA
+//              store of grad_x; wgrad accumulated in registers over the segment; grad_x is
+//              staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this
+//              unit's wgrad makes ptxas serialize every wgmma: it cannot track the groups
+//              across that loop.)
 // Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
 // wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA
 // would have several segments the host launches the two sweeps separately, the second adding
@@ -124,7 +126,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
   Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
-  Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
   Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});  // (h, t)
 
   // G starts all zero; builders then only touch the entries they set.
@@ -280,8 +281,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   typename Cfg::MmaWgrad mma_w;
   auto thr_d = mma_d.get_thread_slice(ct);
   auto thr_w = mma_w.get_thread_slice(Cfg::kSplitT ? ct % 128 : ct);
-  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens.
-  const int wgrad_k0 = Cfg::kSplitT ? wg * Cfg::kWgradSteps : 0;
+  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens (kSplitE: all of them).
+  const int wgrad_k0 = Cfg::kSplitT && !Cfg::kSplitE ? wg * Cfg::kWgradSteps : 0;
+  // wgrad's experts: kSplitE, the warpgroup's half of them.
+  const int wgrad_e0 = Cfg::kSplitE ? wg * Cfg::kWgradN : 0;
+  Tensor sGt = make_tensor(make_smem_ptr(smem.g + wgrad_e0 * kTileT),
+                           typename Cfg::SmemLayoutGt{});  // (e, t, stage)
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
   Tensor mWt = make_tensor(make_gmem_ptr(p.w), make_shape(p.hidden, Int<kExperts>{}),
@@ -299,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor tWrGt = thr_w.make_fragment_B(tWsGt);
 
   Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileH>, Int<kTileT>>{});    // (h, t)
-  Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e)
+  Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e)
 
   // grad_x: accumulator → staging (h, t) → TMA store of this warpgroup's 64 h × kTileT box.
   auto copy_gx = make_tiled_copy_C(typename Cfg::CopyGX{}, mma_d);
@@ -346,7 +351,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     const int xs = n % kStagesX, gs = n % kStagesG;
     warpgroup_fence_operand(acc_w);
     warpgroup_arrive();
-    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT ? 2 : 1) == size<2>(decltype(tWrX){}), "k");
+    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT && !Cfg::kSplitE ? 2 : 1) ==
+                      size<2>(decltype(tWrX){}), "k");
     CUTE_UNROLL
     for (int k = 0; k < Cfg::kWgradSteps; ++k)
       gemm(mma_w, tWrX(_, _, wgrad_k0 + k, xs), tWrGt(_, _, wgrad_k0 + k, gs), acc_w);
@@ -489,20 +495,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // kSpread and kCluster: the CTA's one segment is its slice's share `rank`. Its partial goes
   // to the (now idle) x stages as [E][kRedStride] fp32 first.
   constexpr int kRedStride = Cfg::kRedStride;
-  static_assert(kExperts * kRedStride * sizeof(float) <= sizeof(smem.x), "partial fits");
+  static_assert(Cfg::kSplitE || kExperts * kRedStride * sizeof(float) <= sizeof(smem.x),
+                "partial fits");
   float* red = reinterpret_cast<float*>(smem.x);
   auto staged_vec = [&](float* staged, int v) {  // vector v of a partial staged at `staged`
     return reinterpret_cast<float4*>(staged + (v / kVecsPerRow) * kRedStride +
                                      v % kVecsPerRow * 4);
   };
   auto red_vec = [&](int v) { return staged_vec(red, v); };
-  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages.
+  // acc_w → [E][kRedStride] at `staged` (kSplitE: the warpgroup's rows), once both
+  // warpgroups are done with the stages.
   auto stage_acc_w = [&](float* staged) {
-    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kExperts>>{});  // (h, e) → (h, e)
+    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e) → (h, e)
     Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
+    float* rows = staged + wgrad_e0 * kRedStride;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i)
-      staged[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+      rows[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
   };
   auto stage_partial = [&] {
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
@@ -562,20 +571,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // each over its half of every unit's tokens, staged as [E][kRedStride] (warpgroup 0's in the
   // idle G stages, 1's in the x stages), then summed in that order (after grad_w itself when
   // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
-  // flight at once.
+  // flight at once. kSplitE: each warpgroup's experts, staged side by side in the G stages,
+  // written (after grad_w itself when accumulating) the same way.
   auto write_grad_w_split_t = [&](int64_t slice) {
     static_assert(!Cfg::kSplitT || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
                   "partial fits");
     float* red0 = reinterpret_cast<float*>(smem.g);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX, sG
-    stage_acc_w(wg == 0 ? red0 : red);
+    stage_acc_w(Cfg::kSplitE || wg == 0 ? red0 : red);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
     auto part = [&](int r, int v) { return *staged_vec(r == 0 ? red0 : red, v); };
+    constexpr int kSources = Cfg::kSplitE ? 1 : 2;
     // In two halves: fewer registers live (more made ptxas spill in the main loop).
     constexpr int kHalf = kSliceVecs / 2;
     static_assert(kHalf % 256 == 0, "whole vectors per thread");
-    sum_vectors(slice, 0, kHalf, 2, Int<kHalf / 256>{}, Int<1>{}, part);
-    sum_vectors(slice, kHalf, kSliceVecs, 2, Int<kHalf / 256>{}, Int<1>{}, part);
+    sum_vectors(slice, 0, kHalf, kSources, Int<kHalf / 256>{}, Int<1>{}, part);
+    sum_vectors(slice, kHalf, kSliceVecs, kSources, Int<kHalf / 256>{}, Int<1>{}, part);
   };
 
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
