@@ -397,6 +397,20 @@ fn check_case(
     worst
 }
 
+/// DeepSeek-V3's router (256 experts, top-8, 8 groups keep 4, scaled by 2.5, normalized) with
+/// the given hidden size (7168 in the model).
+fn deepseek_v3(hidden_size: usize) -> RouterConfig {
+    RouterConfig {
+        hidden_size,
+        n_routed_experts: 256,
+        num_experts_per_tok: 8,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+    }
+}
+
 fn small_configs() -> Vec<(RouterConfig, usize)> {
     let base = RouterConfig {
         hidden_size: 256,
@@ -426,18 +440,7 @@ fn small_configs() -> Vec<(RouterConfig, usize)> {
             },
             127,
         ),
-        (
-            RouterConfig {
-                hidden_size: 2048,
-                n_routed_experts: 256,
-                num_experts_per_tok: 8,
-                n_group: 8,
-                topk_group: 4,
-                routed_scaling_factor: 2.5,
-                norm_topk_prob: true,
-            },
-            300,
-        ),
+        (deepseek_v3(2048), 300),
         (
             RouterConfig {
                 hidden_size: 72,
@@ -518,15 +521,7 @@ fn backward_grad_w_sums(s: &Arc<CudaStream>) {
 /// 64-column slices at small T, 128-column ones with grad_w summed over a slice's CTAs above),
 /// against the reference in both precisions, accumulating or not, and bitwise repeatable.
 fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
-    let deepseek_v3 = RouterConfig {
-        hidden_size: 7168,
-        n_routed_experts: 256,
-        num_experts_per_tok: 8,
-        n_group: 8,
-        topk_group: 4,
-        routed_scaling_factor: 2.5,
-        norm_topk_prob: true,
-    };
+    let v3 = deepseek_v3(7168);
     let glm45_air = RouterConfig {
         hidden_size: 4096,
         n_routed_experts: 128,
@@ -541,12 +536,12 @@ fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
         hidden_size: 1024,
         n_group: 1,
         topk_group: 1,
-        ..deepseek_v3
+        ..v3
     };
     for (i, (cfg, tokens)) in [
-        (deepseek_v3, 1),
-        (deepseek_v3, 300),
-        (deepseek_v3, 2000),
+        (v3, 1),
+        (v3, 300),
+        (v3, 2000),
         (narrow, 3001),
         (glm45_air, 7),
         (glm45_air, 1000),

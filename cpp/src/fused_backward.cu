@@ -47,8 +47,12 @@ int active_clusters(int device, int64_t experts, int k) {
   if (slot) {  // 0: not asked yet; -1: none fit
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
-  const int n = experts == 128 ? fused_backward_active_clusters<128, 8>(k, device)
-                               : fused_backward_active_clusters<160, 8>(k, device);
+  int n = 0;
+  switch (experts) {
+    case 128: n = fused_backward_active_clusters<128, 8>(k, device); break;
+    case 160: n = fused_backward_active_clusters<160, 8>(k, device); break;
+    default: break;
+  }
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
