@@ -31,11 +31,7 @@ constexpr int kWideExperts[] = {128, 160};
 constexpr int kNumWide = int(sizeof(kWideExperts) / sizeof(kWideExperts[0]));
 
 // The index of E in kWideExperts, kNumWide where it has no 128-column kernel.
-int wide_index(int64_t experts) {
-  int e = 0;
-  while (e < kNumWide && kWideExperts[e] != experts) ++e;
-  return e;
-}
+int wide_index(int64_t experts) { return index_in(kWideExperts, experts); }
 
 // Clusters of k CTAs (k = 2..8) of the 128-column kernel for E that fit on a device at once,
 // read once per device and E (the kernels' shared memory differs with E).

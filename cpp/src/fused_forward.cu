@@ -57,11 +57,7 @@ struct Occupancy {
 };
 
 // The index of E in kFusedExperts, kNumExperts where it has no fused kernel.
-int experts_index(int64_t experts) {
-  int e = 0;
-  while (e < kNumExperts && kFusedExperts[e] != experts) ++e;
-  return e;
-}
+int experts_index(int64_t experts) { return index_in(kFusedExperts, experts); }
 
 int active_clusters(int device, int which, int64_t experts, int tile) {
   static Occupancy cached[64] = {};
