@@ -11,6 +11,8 @@
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
 
@@ -52,47 +54,63 @@ fn main() {
     let extra: Vec<String> = env::var("MOE_ROUTING_NVCC_FLAGS")
         .map(|s| s.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
-    let objects: Vec<PathBuf> = std::thread::scope(|scope| {
-        let handles: Vec<_> = sources
-            .iter()
-            .map(|src| {
-                let obj = out.join(src.file_stem().unwrap()).with_extension("o");
-                let mut cmd = Command::new(&nvcc);
-                cmd.args([
-                    "-std=c++17",
-                    "-O3",
-                    GENCODE,
-                    "-DNDEBUG",
-                    "--expt-relaxed-constexpr",
-                    // wgmma N of every multiple of 8 (N = E = 160 among them), not only
-                    // of 64, in CuTe's MMA selectors.
-                    "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
-                    // Source lines for profilers; no effect on the code.
-                    "-lineinfo",
-                ])
-                .args(["-Xcompiler", "-fPIC", "-c"])
-                .arg("-I")
-                .arg(manifest.join("cpp/include"))
-                .arg("-I")
-                .arg(manifest.join("cpp"))
-                .arg("-I")
-                .arg(&cutlass)
-                .args(&extra)
-                .arg(src)
-                .arg("-o")
-                .arg(&obj);
-                if let Ok(ccbin) = env::var("NVCC_CCBIN") {
-                    cmd.arg("-ccbin").arg(ccbin);
-                }
-                scope.spawn(move || {
-                    let status = cmd.status().expect("failed to run nvcc");
-                    assert!(status.success(), "nvcc failed on {}", src.display());
-                    obj
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    // At most `jobs` nvcc at once (cargo's job count, or MOE_ROUTING_NVCC_JOBS): one nvcc of a
+    // fused kernel takes a few GB, and all of them at once exhaust a small machine's memory.
+    let jobs = env::var("MOE_ROUTING_NVCC_JOBS")
+        .or_else(|_| env::var("NUM_JOBS"))
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(2);
+    // (object, nvcc command) per source.
+    let commands: Vec<(PathBuf, Mutex<Command>)> = sources
+        .iter()
+        .map(|src| {
+            let obj = out.join(src.file_stem().unwrap()).with_extension("o");
+            let mut cmd = Command::new(&nvcc);
+            cmd.args([
+                "-std=c++17",
+                "-O3",
+                GENCODE,
+                "-DNDEBUG",
+                "--expt-relaxed-constexpr",
+                // wgmma N of every multiple of 8 (N = E = 160 among them), not only
+                // of 64, in CuTe's MMA selectors.
+                "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
+                // Source lines for profilers; no effect on the code.
+                "-lineinfo",
+            ])
+            .args(["-Xcompiler", "-fPIC", "-c"])
+            .arg("-I")
+            .arg(manifest.join("cpp/include"))
+            .arg("-I")
+            .arg(manifest.join("cpp"))
+            .arg("-I")
+            .arg(&cutlass)
+            .args(&extra)
+            .arg(src)
+            .arg("-o")
+            .arg(&obj);
+            if let Ok(ccbin) = env::var("NVCC_CCBIN") {
+                cmd.arg("-ccbin").arg(ccbin);
+            }
+            (obj, Mutex::new(cmd))
+        })
+        .collect();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..jobs.min(commands.len()) {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((_, cmd)) = commands.get(i) else {
+                    break;
+                };
+                let status = cmd.lock().unwrap().status().expect("failed to run nvcc");
+                assert!(status.success(), "nvcc failed on {}", sources[i].display());
+            });
+        }
     });
+    let objects: Vec<PathBuf> = commands.into_iter().map(|(obj, _)| obj).collect();
 
     // One static archive of the CUDA code: linked into the crate, and the core of the
     // C++ consumers' library.

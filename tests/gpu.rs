@@ -41,6 +41,11 @@ fn main() {
         ("backward_is_deterministic", backward_is_deterministic),
         ("backward_grad_w_sums", backward_grad_w_sums),
         ("backward_fused_expert_counts", backward_fused_expert_counts),
+        ("backward_fused_any_top_k", backward_fused_any_top_k),
+        (
+            "backward_unaligned_routing_rows",
+            backward_unaligned_routing_rows,
+        ),
         ("zero_tokens", zero_tokens),
         (
             "invalid_arguments_touch_nothing",
@@ -562,6 +567,152 @@ fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
         );
         if tokens > 1 {
             assert_deterministic(s, &cfg, tokens, &[Precision::Default, Precision::Precise]);
+        }
+    }
+}
+
+/// The fused backward for any K up to 8 (its any-K kernels, which load the routing rows element
+/// by element): Moonlight's router (64 experts, top-6), dots.llm1's (128, top-6), odd K and
+/// K = 1 on 160 and 256 experts, and 64 experts at K = 8 (they have no K = 8 kernels of their
+/// own), at small T (64-column slices) and above (128-column ones, grad_w summed over a slice's
+/// CTAs); against the reference in both precisions, accumulating or not, and bitwise
+/// repeatable. Each shows the bf16 G's grad_w error, the fused kernels' mark.
+fn backward_fused_any_top_k(s: &Arc<CudaStream>) {
+    let moonlight = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 2.446,
+        norm_topk_prob: true,
+    };
+    let dots = RouterConfig {
+        hidden_size: 4096,
+        n_routed_experts: 128,
+        routed_scaling_factor: 2.5,
+        ..moonlight
+    };
+    let glm45_k7 = RouterConfig {
+        num_experts_per_tok: 7,
+        ..RouterConfig::glm45(8, 4)
+    };
+    let glm45_k1 = RouterConfig {
+        num_experts_per_tok: 1,
+        norm_topk_prob: false, // (normalized, one expert's weight is 1: no gradient)
+        ..RouterConfig::glm45(1, 1)
+    };
+    let v3_k4 = RouterConfig {
+        num_experts_per_tok: 4,
+        ..deepseek_v3(1024)
+    };
+    let e64_k8 = RouterConfig {
+        num_experts_per_tok: 8,
+        n_group: 8,
+        topk_group: 4,
+        ..moonlight
+    };
+    for (i, (cfg, tokens)) in [
+        (moonlight, 5),
+        (moonlight, 700),
+        (moonlight, 3001),
+        (dots, 300),
+        (dots, 3001),
+        (glm45_k7, 1000),
+        (glm45_k7, 3001),
+        (glm45_k1, 2000),
+        (v3_k4, 1500),
+        (e64_k8, 2048),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = fresh_seed() ^ (i as u64) << 20;
+        let label = format!("{cfg:?} T={tokens}");
+        let [default, _] = check_case(s, &cfg, tokens, seed, &label);
+        assert!(
+            default.grad_w > 1e-4,
+            "{label}: grad_w err {:e}, not the fused kernel's",
+            default.grad_w
+        );
+        assert_deterministic(s, &cfg, tokens, &[Precision::Default, Precision::Precise]);
+    }
+}
+
+/// Routing rows that are not 16-byte aligned (views one element into their buffers, as a
+/// caller's slices may be) cannot take the K = 8 kernels' vector loads: the call takes the any-K
+/// kernels, and gives the same bits as with aligned rows.
+fn backward_unaligned_routing_rows(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in [
+        (RouterConfig::glm45(8, 4), 300),
+        (RouterConfig::glm45(8, 4), 3001),
+        (deepseek_v3(1024), 700),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(fresh_seed() ^ (i as u64) << 24);
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut rng);
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        let tk = tokens * cfg.num_experts_per_tok;
+        let grad_out = random_grad(tk, &mut rng);
+        // Each routing input again, one element into a buffer of its own.
+        let shifted = |v: &[f32]| {
+            let mut buf = vec![0.0f32; tk + 1];
+            buf[1..].copy_from_slice(&v[..tk]);
+            upload(s, &buf)
+        };
+        let mut idx = vec![0i32; tk + 1];
+        idx[1..].copy_from_slice(&fwd.idx[..tk]);
+        let (idx, scores, grads) = (upload(s, &idx), shifted(&fwd.scores), shifted(&grad_out));
+        let (x, w) = (upload(s, &inp.x), upload(s, &inp.w));
+        for precision in [Precision::Default, Precision::Precise] {
+            let opts = BackwardOptions {
+                accumulate_grad_w: false,
+                precision,
+            };
+            let aligned = gpu_backward(
+                s,
+                &router,
+                tokens,
+                &inp,
+                &fwd.dev.topk_idx,
+                &fwd.dev.topk_scores,
+                &grad_out,
+                opts,
+                None,
+            );
+            let mut grad_x: CudaSlice<bf16> = poisoned(s, tokens * cfg.hidden_size);
+            let mut grad_w: CudaSlice<f32> = poisoned(s, cfg.n_routed_experts * cfg.hidden_size);
+            let mut ws = router.alloc_workspace(s, tokens).unwrap();
+            router
+                .backward(
+                    s,
+                    tokens,
+                    &x,
+                    &w,
+                    &idx.slice(1..),
+                    &scores.slice(1..),
+                    &grads.slice(1..),
+                    &mut grad_x,
+                    &mut grad_w,
+                    opts,
+                    &mut ws,
+                )
+                .unwrap();
+            s.synchronize().unwrap();
+            let gx = bf16_to_f64(&download(s, &grad_x));
+            let gw = to_f64(&download(s, &grad_w));
+            let label = format!("{cfg:?} T={tokens} {precision:?}");
+            assert!(
+                bits(&gx) == bits(&aligned.grad_x),
+                "{label}: grad_x differs"
+            );
+            assert!(
+                bits(&gw) == bits(&aligned.grad_w),
+                "{label}: grad_w differs"
+            );
         }
     }
 }

@@ -26,8 +26,9 @@ int sm_count(int device) {
   return n;
 }
 
-// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kSplitE).
-constexpr int kWideExperts[] = {128, 160};
+// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kSplitE). E = 64
+// has the any-K kernels alone.
+constexpr int kWideExperts[] = {64, 128, 160};
 constexpr int kNumWide = int(sizeof(kWideExperts) / sizeof(kWideExperts[0]));
 
 // The index of E in kWideExperts, kNumWide where it has no 128-column kernel.
@@ -44,7 +45,8 @@ int active_clusters(int device, int64_t experts, int k) {
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
   int n = 0;
-  switch (experts) {
+  switch (experts) {  // (the any-K kernels use the same shared memory as K = 8's)
+    case 64: n = fused_backward_active_clusters<64, kAnyTopK>(k, device); break;
     case 128: n = fused_backward_active_clusters<128, 8>(k, device); break;
     case 160: n = fused_backward_active_clusters<160, 8>(k, device); break;
     default: break;
@@ -91,29 +93,42 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
+// The kernels of one E. K = 8 with 16-byte aligned routing rows has its own (vector loads);
+// any other K or alignment takes the any-K ones. E = 64 has the any-K kernels alone, E = 256
+// the 64-column ones alone.
+template <int kExperts>
+Status launch_passes_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                       const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
+  constexpr bool kHasK8 = kExperts != 64, kHasWide = kExperts != 256;
+  constexpr int kK8 = kHasK8 ? 8 : kAnyTopK;
+  const bool k8 = kHasK8 && cfg.num_experts_per_tok == 8 && aligned16(a.topk_idx.data) &&
+                  aligned16(a.topk_scores.data) && aligned16(a.grad_topk_weights.data);
+  if (pl.tile_h == 64)
+    return k8 ? launch_fused_backward_e<kExperts, kK8, 64>(cfg, a, device, pl, stream, passes)
+              : launch_fused_backward_e<kExperts, kAnyTopK, 64>(cfg, a, device, pl, stream, passes);
+  if constexpr (kHasWide)
+    return k8 ? launch_fused_backward_e<kExperts, kK8, 128>(cfg, a, device, pl, stream, passes)
+              : launch_fused_backward_e<kExperts, kAnyTopK, 128>(cfg, a, device, pl, stream, passes);
+  return Status::kUnsupported;
+}
+
 Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
                      const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
-  const bool h64 = pl.tile_h == 64;
   switch (cfg.n_routed_experts) {
-    case 128:
-      return h64 ? launch_fused_backward_e<128, 8, 64>(cfg, a, device, pl, stream, passes)
-                 : launch_fused_backward_e<128, 8, 128>(cfg, a, device, pl, stream, passes);
-    case 160:
-      return h64 ? launch_fused_backward_e<160, 8, 64>(cfg, a, device, pl, stream, passes)
-                 : launch_fused_backward_e<160, 8, 128>(cfg, a, device, pl, stream, passes);
-    case 256:
-      return h64 ? launch_fused_backward_e<256, 8, 64>(cfg, a, device, pl, stream, passes)
-                 : Status::kUnsupported;
-    default:
-      return Status::kUnsupported;
+    case 64: return launch_passes_e<64>(cfg, a, device, pl, stream, passes);
+    case 128: return launch_passes_e<128>(cfg, a, device, pl, stream, passes);
+    case 160: return launch_passes_e<160>(cfg, a, device, pl, stream, passes);
+    case 256: return launch_passes_e<256>(cfg, a, device, pl, stream, passes);
+    default: return Status::kUnsupported;
   }
 }
 
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
-  if (cfg.num_experts_per_tok != 8) return false;
-  // 128 and 160 experts: 128-column slices, or 64-column ones at small T.
+  // K up to 8 (K = 8 with aligned routing rows has kernels of its own; launch_passes_e).
+  if (cfg.num_experts_per_tok < 1 || cfg.num_experts_per_tok > 8) return false;
+  // 64, 128 and 160 experts: 128-column slices, or 64-column ones at small T.
   if (wide_index(cfg.n_routed_experts) < kNumWide) return cfg.hidden_size % kTileH == 0;
   // 256 experts (DeepSeek-V3): 64-column slices, one CTA each, at every T.
   return cfg.n_routed_experts == 256 && cfg.hidden_size % 64 == 0 &&

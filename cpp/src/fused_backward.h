@@ -25,6 +25,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, 
                              cudaStream_t stream);
 
 using kernels::fused_backward::GradWSum;
+using kernels::fused_backward::kAnyTopK;
 
 // The persistent grid and how it sums grad_w (schedule.cuh). kSpread and kCluster:
 // ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8). tile_h: the
@@ -41,6 +42,7 @@ struct BackwardPlan {
 };
 
 // One instantiation per (expert count, top-k, slice width), each in its own translation unit.
+// kTopK: K = 8 (routing rows 16-byte aligned), or kAnyTopK: any K from 1 to 8.
 // passes: the kernel's sweeps (kernel_sm90.cuh: kPassG, kPassResidual, or both, which needs one
 // segment per CTA: BackwardPlan::one_segment_per_cta).
 template <int kExperts, int kTopK, int kTileH>

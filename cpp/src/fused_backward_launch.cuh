@@ -48,6 +48,12 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
+  // A fixed K loads the routing rows as 16-byte vectors: K = kTopK and aligned rows only.
+  const int top_k = cfg.num_experts_per_tok;
+  if (Cfg::kAnyK ? top_k < 1 || top_k > Cfg::kTopK
+                 : top_k != Cfg::kTopK || !aligned16(a.topk_idx.data) ||
+                       !aligned16(a.topk_scores.data) || !aligned16(a.grad_topk_weights.data))
+    return Status::kUnsupported;
   if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
   const int64_t H = cfg.hidden_size, T = a.tokens;
 
@@ -69,6 +75,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.passes = passes;
   p.sum = plan.sum;
   p.per_slice = plan.per_slice;
+  p.top_k = top_k;
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
   p.sched.ctas = plan.ctas;

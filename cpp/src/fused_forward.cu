@@ -129,8 +129,6 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   return best;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 }  // namespace
 
 bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {

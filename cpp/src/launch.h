@@ -39,6 +39,8 @@ class RelaxedCaptureScope {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // The index of `value` in `list` (e.g. the expert counts with an instantiation), N where it is
 // absent.
 template <class T, int N>

@@ -62,7 +62,8 @@ def config(**kw):
 
 
 # Shapes covering both backward paths: GLM-4.5's E=160/K=8 (H % 128 == 0) and DeepSeek-V3's
-# E=256/K=8 (H % 64 == 0) take the fused kernel; the others (K != 8) the simple one.
+# E=256/K=8 (H % 64 == 0) take the fused kernel; the others (H = 136, E = 32: no fused kernel)
+# the simple one.
 CONFIGS = {
     "glm45": config(),
     "deepseek_v3": config(hidden_size=256, n_routed_experts=256, n_group=8, topk_group=4),

@@ -23,6 +23,8 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/fused_backward/schedule.cuh"
+
 namespace moe_routing::kernels::fused_backward {
 
 using namespace cute;
@@ -30,7 +32,8 @@ using namespace cute;
 template <int kExperts_, int kTopK_, int kTileH_ = 128, int kStagesX_ = 3, int kStagesG_ = 2>
 struct Config {
   static constexpr int kExperts = kExperts_;
-  static constexpr int kTopK = kTopK_;
+  static constexpr bool kAnyK = kTopK_ == kAnyTopK;  // (schedule.cuh)
+  static constexpr int kTopK = kAnyK ? 8 : kTopK_;  // K, or the most K: slots per token
   static constexpr int kTileT = 128;      // tokens per unit
   static constexpr int kTileH = kTileH_;  // hidden columns per unit
   static_assert(kTileH == 128 || kTileH == 64, "a slice is one or two warpgroups' 64 rows");
@@ -68,7 +71,7 @@ struct Config {
   static_assert(kSplitT || kExperts <= 160, "kTileH = 128: two G stages and grad_w in registers");
   static_assert(!kSplitE || kWgradN % 32 == 0, "each warpgroup's experts are whole SW64 atoms");
   static_assert(kExperts <= 256, "previous indices are kept as bytes");
-  static_assert(kTopK % 4 == 0 && kTopK <= 16, "K: rows load as 16-byte vectors");
+  static_assert(kTopK % 4 == 0 && kTopK <= 16, "K slots: 16-byte vectors of a row");
   static_assert(kStagesG >= 2 && kStagesX >= kStagesG, "x runs at least as far ahead as G");
 
   using Elem = cutlass::bfloat16_t;

@@ -66,6 +66,7 @@ struct Params {
   // cluster size, k <= 8).
   int per_slice = 1;
   LinearSchedule sched{};
+  int top_k = 0;  // K, 1 ... Config::kTopK (read where Config::kAnyK)
 };
 
 // Adds one to a grad_w counter, release at GPU scope.
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     constexpr uint32_t kGStageBytes = kTileT * kExperts * 2;
     // Routing inputs are loaded a unit ahead and packed at the end of the previous iteration:
     // their latency hides behind a whole build, and only the packed row stays live.
-    TokenRouting<Cfg::kTopK> loaded;
+    TokenRouting<Cfg::kTopK, Cfg::kAnyK> loaded;
     UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
     // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
     // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
@@ -204,8 +205,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     auto prefetch_next = [&] {         // units in order
       if (pf_next < total) {
         if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
-        prefetch_token_routing<Cfg::kTopK>(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                                           int64_t(pf_unit.tile) * kTileT + thread, p.tokens);
+        prefetch_token_routing<Cfg::kTopK, Cfg::kAnyK>(p.topk_idx, p.topk_scores,
+                                                       p.grad_topk_weights,
+                                                       int64_t(pf_unit.tile) * kTileT + thread,
+                                                       p.tokens, p.top_k);
         pf_unit.next(tiles);
         ++pf_next;
       }
@@ -220,7 +223,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       }
       if (n == count) g_unit = UnitCursor(unit0, tiles);
       loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                  int64_t(g_unit.tile) * kTileT + thread, p.tokens);
+                  int64_t(g_unit.tile) * kTileT + thread, p.tokens, p.top_k);
       g_unit.next(tiles);
     };
     PackedRow<Cfg::kTopK> row{};

@@ -13,10 +13,13 @@
 namespace moe_routing::kernels::fused_backward {
 
 // One token's routing inputs, held in registers: the loads are issued before the builder
-// waits for a free stage, so that their latency hides behind the wait.
-template <int kTopK>
+// waits for a free stage, so that their latency hides behind the wait. kTopK slots per token:
+// K = kTopK, whose rows load as 16-byte vectors; or (kAnyK) any K <= kTopK given at run time,
+// loaded element by element (a row of K 4-byte values need not be 16-byte aligned), the
+// unused slots holding expert -1 (never stored) and score and gradient 0 (adding nothing).
+template <int kTopK, bool kAnyK = false>
 struct TokenRouting {
-  static_assert(kTopK % 4 == 0, "rows load as 16-byte vectors");
+  static_assert(kTopK % 4 == 0, "slots as 16-byte vectors");
   int4 idx[kTopK / 4];
   float4 score[kTopK / 4];
   float4 grad[kTopK / 4];
@@ -25,31 +28,55 @@ struct TokenRouting {
   __device__ __forceinline__ void load(const int32_t* __restrict__ topk_idx,
                                        const float* __restrict__ topk_scores,
                                        const float* __restrict__ grad_topk_w, int64_t t,
-                                       int64_t tokens) {
+                                       int64_t tokens, int top_k) {
     valid = t < tokens;
     if (!valid) return;
-    const int64_t row = t * kTopK / 4;  // in 16-byte vectors
+    if constexpr (kAnyK) {
+      int* e = reinterpret_cast<int*>(idx);
+      float* s = reinterpret_cast<float*>(score);
+      float* g = reinterpret_cast<float*>(grad);
+      const int64_t row = t * top_k;
 #pragma unroll
-    for (int v = 0; v < kTopK / 4; ++v) {
-      idx[v] = __ldg(reinterpret_cast<const int4*>(topk_idx) + row + v);
-      score[v] = __ldg(reinterpret_cast<const float4*>(topk_scores) + row + v);
-      grad[v] = __ldg(reinterpret_cast<const float4*>(grad_topk_w) + row + v);
+      for (int k = 0; k < kTopK; ++k) {
+        const bool used = k < top_k;
+        e[k] = used ? __ldg(topk_idx + row + k) : -1;
+        s[k] = used ? __ldg(topk_scores + row + k) : 0.0f;
+        g[k] = used ? __ldg(grad_topk_w + row + k) : 0.0f;
+      }
+    } else {
+      const int64_t row = t * kTopK / 4;  // in 16-byte vectors
+#pragma unroll
+      for (int v = 0; v < kTopK / 4; ++v) {
+        idx[v] = __ldg(reinterpret_cast<const int4*>(topk_idx) + row + v);
+        score[v] = __ldg(reinterpret_cast<const float4*>(topk_scores) + row + v);
+        grad[v] = __ldg(reinterpret_cast<const float4*>(grad_topk_w) + row + v);
+      }
     }
   }
 };
 
 // One token's routing inputs fetched into L1 ahead of their loads (TokenRouting::load then
-// finds them there; ld.global.nc goes through L1).
-template <int kTopK>
+// finds them there; ld.global.nc goes through L1). With kAnyK a row may cross a 128-byte
+// line: its last element's line is fetched too.
+template <int kTopK, bool kAnyK = false>
 __device__ __forceinline__ void prefetch_token_routing(const int32_t* topk_idx,
                                                        const float* topk_scores,
                                                        const float* grad_topk_w, int64_t t,
-                                                       int64_t tokens) {
-  static_assert(kTopK * 4 <= 128, "one line per input");
+                                                       int64_t tokens, int top_k) {
+  static_assert(kTopK * 4 <= 128, "a row spans at most two lines");
   if (t >= tokens) return;
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + t * kTopK));
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + t * kTopK));
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + t * kTopK));
+  const int64_t first = t * (kAnyK ? top_k : kTopK);
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + first));
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + first));
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + first));
+  if constexpr (kAnyK) {
+    const int64_t last = first + top_k - 1;
+    if ((last ^ first) >> 5) {  // 32 four-byte values a line; all three arrays are aligned alike
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + last));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + last));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + last));
+    }
+  }
 }
 
 __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t bits) {
@@ -86,10 +113,9 @@ struct PackedRow {
 // to bf16; `residual`: what that rounding leaves out, G - bf16(G) (exact in fp32), rounded to
 // bf16, so that bf16(G) + residual is G to ~2^-18 of it. Indices outside [0, E) contribute
 // nothing.
-template <int kExperts, int kTopK>
-__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(const TokenRouting<kTopK>& in,
-                                                                  float scale, bool norm,
-                                                                  bool residual) {
+template <int kExperts, int kTopK, bool kAnyK>
+__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
+    const TokenRouting<kTopK, kAnyK>& in, float scale, bool norm, bool residual) {
   PackedRow<kTopK> out{};
   if (!in.valid) return out;
   const float* s = reinterpret_cast<const float*>(in.score);

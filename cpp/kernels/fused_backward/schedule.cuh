@@ -54,6 +54,11 @@ enum class GradWSum : int { kLastCta = 0, kSpread = 1, kCluster = 2 };
 // alone, so that grad_w gets the part of G that the bf16 G leaves out; grad_x is not stored.
 enum : uint32_t { kPassG = 1, kPassResidual = 2 };
 
+// The top-k of a Config: K, fixed (a multiple of 4: each token's routing row loads as 16-byte
+// vectors, so the rows must be 16-byte aligned), or kAnyTopK: any K up to 8, given at run time
+// (Params::top_k), the rows loaded element by element (4-byte aligned).
+constexpr int kAnyTopK = 0;
+
 // Walks a CTA's units in order as (slice, tile): one division where it starts, none per unit
 // (64-bit divisions and their registers stay out of the loops).
 struct UnitCursor {
