@@ -555,28 +555,32 @@ fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
     .into_iter()
     .enumerate()
     {
-        let seed = fresh_seed() ^ (i as u64) << 16;
-        let label = format!("{cfg:?} T={tokens}");
-        let [default, _] = check_case(s, &cfg, tokens, seed, &label);
-        // The fused kernels take G as bf16 in the default mode (grad_w ~1e-3 off); the simple
-        // path's fp32 G would leave ~1e-6.
-        assert!(
-            default.grad_w > 1e-4,
-            "{label}: grad_w err {:e}, not the fused kernel's",
-            default.grad_w
-        );
-        if tokens > 1 {
-            assert_deterministic(s, &cfg, tokens, &[Precision::Default, Precision::Precise]);
-        }
+        check_fused_case(s, &cfg, tokens, fresh_seed() ^ (i as u64) << 16);
+    }
+}
+
+/// One shape on the fused kernels: against the reference in both precisions, accumulating or
+/// not, and bitwise repeatable. The fused kernels take G as bf16 in the default mode (grad_w
+/// ~1e-3 off); the simple path's fp32 G would leave ~1e-6, so a shape that fell back to it
+/// fails.
+fn check_fused_case(s: &Arc<CudaStream>, cfg: &RouterConfig, tokens: usize, seed: u64) {
+    let label = format!("{cfg:?} T={tokens}");
+    let [default, _] = check_case(s, cfg, tokens, seed, &label);
+    assert!(
+        default.grad_w > 1e-4,
+        "{label}: grad_w err {:e}, not the fused kernel's",
+        default.grad_w
+    );
+    if tokens > 1 {
+        assert_deterministic(s, cfg, tokens, &[Precision::Default, Precision::Precise]);
     }
 }
 
 /// The fused backward for any K up to 8 (its any-K kernels, which load the routing rows element
-/// by element): Moonlight's router (64 experts, top-6), dots.llm1's (128, top-6), odd K and
-/// K = 1 on 160 and 256 experts, and 64 experts at K = 8 (they have no K = 8 kernels of their
-/// own), at small T (64-column slices) and above (128-column ones, grad_w summed over a slice's
-/// CTAs); against the reference in both precisions, accumulating or not, and bitwise
-/// repeatable. Each shows the bf16 G's grad_w error, the fused kernels' mark.
+/// by element): Moonlight's router (64 experts, top-6), dots.llm1's (128, top-6), K = 7 and
+/// K = 1 on 160 experts, K = 4 on 256, and 64 experts at K = 8 (they have no K = 8 kernels of
+/// their own), at small T (64-column slices) and above (128-column ones, grad_w summed over a
+/// slice's CTAs); each by check_fused_case.
 fn backward_fused_any_top_k(s: &Arc<CudaStream>) {
     let moonlight = RouterConfig {
         hidden_size: 2048,
@@ -627,15 +631,7 @@ fn backward_fused_any_top_k(s: &Arc<CudaStream>) {
     .into_iter()
     .enumerate()
     {
-        let seed = fresh_seed() ^ (i as u64) << 20;
-        let label = format!("{cfg:?} T={tokens}");
-        let [default, _] = check_case(s, &cfg, tokens, seed, &label);
-        assert!(
-            default.grad_w > 1e-4,
-            "{label}: grad_w err {:e}, not the fused kernel's",
-            default.grad_w
-        );
-        assert_deterministic(s, &cfg, tokens, &[Precision::Default, Precision::Precise]);
+        check_fused_case(s, &cfg, tokens, fresh_seed() ^ (i as u64) << 20);
     }
 }
 
