@@ -7,7 +7,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moe_routing::reference;
 use moe_routing::suite::{self, Case};
@@ -238,9 +238,27 @@ fn gpu_backward(
     options: BackwardOptions,
     grad_w_init: Option<&[f32]>,
 ) -> Grads {
-    let cfg = router.config();
     let (x, w) = (upload(s, &inp.x), upload(s, &inp.w));
     let g = upload(s, grad_out);
+    let routing = (idx, scores, &g);
+    gpu_backward_on(s, router, tokens, (&x, &w), routing, options, grad_w_init)
+}
+
+/// The backward on device inputs (any views of them), into poisoned or given outputs.
+fn gpu_backward_on(
+    s: &Arc<CudaStream>,
+    router: &Router,
+    tokens: usize,
+    (x, w): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>),
+    (idx, scores, grads): (
+        &impl DevicePtr<i32>,
+        &impl DevicePtr<f32>,
+        &impl DevicePtr<f32>,
+    ),
+    options: BackwardOptions,
+    grad_w_init: Option<&[f32]>,
+) -> Grads {
+    let cfg = router.config();
     let mut grad_x: CudaSlice<bf16> = poisoned(s, (tokens * cfg.hidden_size).max(1));
     let eh = cfg.n_routed_experts * cfg.hidden_size;
     let mut grad_w: CudaSlice<f32> = match grad_w_init {
@@ -252,11 +270,11 @@ fn gpu_backward(
         .backward(
             s,
             tokens,
-            &x,
-            &w,
+            x,
+            w,
             idx,
             scores,
-            &g,
+            grads,
             &mut grad_x,
             &mut grad_w,
             options,
@@ -679,34 +697,15 @@ fn backward_unaligned_routing_rows(s: &Arc<CudaStream>) {
                 opts,
                 None,
             );
-            let mut grad_x: CudaSlice<bf16> = poisoned(s, tokens * cfg.hidden_size);
-            let mut grad_w: CudaSlice<f32> = poisoned(s, cfg.n_routed_experts * cfg.hidden_size);
-            let mut ws = router.alloc_workspace(s, tokens).unwrap();
-            router
-                .backward(
-                    s,
-                    tokens,
-                    &x,
-                    &w,
-                    &idx.slice(1..),
-                    &scores.slice(1..),
-                    &grads.slice(1..),
-                    &mut grad_x,
-                    &mut grad_w,
-                    opts,
-                    &mut ws,
-                )
-                .unwrap();
-            s.synchronize().unwrap();
-            let gx = bf16_to_f64(&download(s, &grad_x));
-            let gw = to_f64(&download(s, &grad_w));
+            let shifted_rows = (&idx.slice(1..), &scores.slice(1..), &grads.slice(1..));
+            let got = gpu_backward_on(s, &router, tokens, (&x, &w), shifted_rows, opts, None);
             let label = format!("{cfg:?} T={tokens} {precision:?}");
             assert!(
-                bits(&gx) == bits(&aligned.grad_x),
+                bits(&got.grad_x) == bits(&aligned.grad_x),
                 "{label}: grad_x differs"
             );
             assert!(
-                bits(&gw) == bits(&aligned.grad_w),
+                bits(&got.grad_w) == bits(&aligned.grad_w),
                 "{label}: grad_w differs"
             );
         }

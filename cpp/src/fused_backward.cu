@@ -101,8 +101,7 @@ Status launch_passes_e(const RouterConfig& cfg, const BackwardArgs& a, int devic
                        const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
   constexpr bool kHasK8 = kExperts != 64, kHasWide = kExperts != 256;
   constexpr int kK8 = kHasK8 ? 8 : kAnyTopK;
-  const bool k8 = kHasK8 && cfg.num_experts_per_tok == 8 && aligned16(a.topk_idx.data) &&
-                  aligned16(a.topk_scores.data) && aligned16(a.grad_topk_weights.data);
+  const bool k8 = kHasK8 && cfg.num_experts_per_tok == 8 && routing_rows_aligned16(a);
   if (pl.tile_h == 64)
     return k8 ? launch_fused_backward_e<kExperts, kK8, 64>(cfg, a, device, pl, stream, passes)
               : launch_fused_backward_e<kExperts, kAnyTopK, 64>(cfg, a, device, pl, stream, passes);

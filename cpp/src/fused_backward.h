@@ -1,6 +1,8 @@
 // The fused backward's host side: which shapes it takes, its workspace, its launch.
 #pragma once
 
+#include <cstdint>
+
 #include "kernels/fused_backward/schedule.cuh"
 #include "moe_routing/router.h"
 
@@ -23,6 +25,15 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
 
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
+
+// All three routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as
+// 16-byte vectors); the API asks only 4-byte alignment, which the any-K kernels take.
+inline bool routing_rows_aligned16(const BackwardArgs& a) {
+  return ((reinterpret_cast<uintptr_t>(a.topk_idx.data) |
+           reinterpret_cast<uintptr_t>(a.topk_scores.data) |
+           reinterpret_cast<uintptr_t>(a.grad_topk_weights.data)) &
+          15) == 0;
+}
 
 using kernels::fused_backward::GradWSum;
 using kernels::fused_backward::kAnyTopK;

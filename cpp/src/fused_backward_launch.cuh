@@ -51,8 +51,7 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   // A fixed K loads the routing rows as 16-byte vectors: K = kTopK and aligned rows only.
   const int top_k = cfg.num_experts_per_tok;
   if (Cfg::kAnyK ? top_k < 1 || top_k > Cfg::kTopK
-                 : top_k != Cfg::kTopK || !aligned16(a.topk_idx.data) ||
-                       !aligned16(a.topk_scores.data) || !aligned16(a.grad_topk_weights.data))
+                 : top_k != Cfg::kTopK || !routing_rows_aligned16(a))
     return Status::kUnsupported;
   if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
   const int64_t H = cfg.hidden_size, T = a.tokens;

@@ -8,6 +8,8 @@
 
 #include <cuda_bf16.h>
 
+#include <cstdint>
+
 #include <cute/tensor.hpp>
 
 namespace moe_routing::kernels::fused_backward {
@@ -55,9 +57,18 @@ struct TokenRouting {
   }
 };
 
+// The 128-byte line of `first`, and that of `last` where it is another one.
+__device__ __forceinline__ void prefetch_l1_span(const void* first, const void* last) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(first));
+  if ((reinterpret_cast<uintptr_t>(first) ^ reinterpret_cast<uintptr_t>(last)) >> 7)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(last));
+}
+
 // One token's routing inputs fetched into L1 ahead of their loads (TokenRouting::load then
-// finds them there; ld.global.nc goes through L1). With kAnyK a row may cross a 128-byte
-// line: its last element's line is fetched too.
+// finds them there; ld.global.nc goes through L1). A fixed K fetches the row's first line (its
+// rows are 16-byte aligned: a row of 8 crosses a line only where the array is not 32-byte
+// aligned, and the fetch is a hint). With kAnyK a row may cross a line anywhere, and the three
+// arrays need not be aligned alike: each row's last line is fetched where it differs.
 template <int kTopK, bool kAnyK = false>
 __device__ __forceinline__ void prefetch_token_routing(const int32_t* topk_idx,
                                                        const float* topk_scores,
@@ -65,17 +76,16 @@ __device__ __forceinline__ void prefetch_token_routing(const int32_t* topk_idx,
                                                        int64_t tokens, int top_k) {
   static_assert(kTopK * 4 <= 128, "a row spans at most two lines");
   if (t >= tokens) return;
-  const int64_t first = t * (kAnyK ? top_k : kTopK);
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + first));
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + first));
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + first));
   if constexpr (kAnyK) {
-    const int64_t last = first + top_k - 1;
-    if ((last ^ first) >> 5) {  // 32 four-byte values a line; all three arrays are aligned alike
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + last));
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + last));
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + last));
-    }
+    const int64_t first = t * top_k, last = first + top_k - 1;
+    prefetch_l1_span(topk_idx + first, topk_idx + last);
+    prefetch_l1_span(topk_scores + first, topk_scores + last);
+    prefetch_l1_span(grad_topk_w + first, grad_topk_w + last);
+  } else {
+    const int64_t first = t * kTopK;
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + first));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + first));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + first));
   }
 }
 
