@@ -96,14 +96,7 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
 
 // Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
 // producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
-// kBarSkew (any-K kernels): warpgroup 1 starts once warpgroup 0's first grad_x is out.
-enum : uint32_t {
-  kBarConsumers = 1,
-  kBarStore0 = 2,
-  kBarPartialsOut = 4,
-  kBarPartialsIn = 5,
-  kBarSkew = 6
-};
+enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5 };
 constexpr uint32_t kSpreadBarThreads = 256 + 32;
 
 template <class Cfg, class P>
@@ -611,10 +604,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
-    // The any-K kernels start their warpgroups out of step: warpgroup 1 issues its first unit
-    // once warpgroup 0's first grad_x is out (BENCHMARKS.md v18: 0.2-3% faster on the
-    // top-6 shapes; slower for the K = 8 kernels, which keep the warpgroups in step).
-    if (Cfg::kAnyK && wg == 1) cutlass::arch::NamedBarrier::sync(256, kBarSkew);
     for (int n = 0; n < total; ++n) {
       if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
@@ -631,7 +620,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_fence_operand(acc_d);
         store_grad_x(slice, tile);
       }
-      if (Cfg::kAnyK && n == 0 && wg == 0) cutlass::arch::NamedBarrier::arrive(256, kBarSkew);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit(n);
