@@ -680,23 +680,14 @@ fn backward_unaligned_routing_rows(s: &Arc<CudaStream>) {
         let mut idx = vec![0i32; tk + 1];
         idx[1..].copy_from_slice(&fwd.idx[..tk]);
         let (idx, scores, grads) = (upload(s, &idx), shifted(&fwd.scores), shifted(&grad_out));
-        let (x, w) = (upload(s, &inp.x), upload(s, &inp.w));
+        let (x, w, g) = (upload(s, &inp.x), upload(s, &inp.w), upload(s, &grad_out));
         for precision in [Precision::Default, Precision::Precise] {
             let opts = BackwardOptions {
                 accumulate_grad_w: false,
                 precision,
             };
-            let aligned = gpu_backward(
-                s,
-                &router,
-                tokens,
-                &inp,
-                &fwd.dev.topk_idx,
-                &fwd.dev.topk_scores,
-                &grad_out,
-                opts,
-                None,
-            );
+            let aligned_rows = (&fwd.dev.topk_idx, &fwd.dev.topk_scores, &g);
+            let aligned = gpu_backward_on(s, &router, tokens, (&x, &w), aligned_rows, opts, None);
             let shifted_rows = (&idx.slice(1..), &scores.slice(1..), &grads.slice(1..));
             let got = gpu_backward_on(s, &router, tokens, (&x, &w), shifted_rows, opts, None);
             let label = format!("{cfg:?} T={tokens} {precision:?}");
