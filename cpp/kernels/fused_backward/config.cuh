@@ -52,6 +52,11 @@ struct Config {
   // 1, 2, 3 and 5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
   static constexpr int kRoutingPrefetch = 3;
   static constexpr int kRoutingPrefetchMinUnits = 32;
+  // The consumer warpgroups start a launch out of step (warpgroup 1 once warpgroup 0's first
+  // grad_x is out) where that was measured faster: the any-K kernels but the 256-expert one
+  // (BENCHMARKS.md v18: 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160,
+  // and 1.5-3.7% slower at E = 256).
+  static constexpr bool kSkew = kAnyK && !kSplitE;
   static constexpr int kStagesX = kStagesX_;
   static constexpr int kStagesG = kStagesG_;
   static constexpr int kConsumers = 2;  // consumer warpgroups
@@ -145,6 +150,7 @@ struct Config {
     alignas(8) uint64_t g_full[kStagesG];   // G built (builder threads)
     alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
     int last_contributor;  // this CTA reduces grad_w of the slice it just finished
+    alignas(8) uint64_t skew;  // kSkew: warpgroup 0's first grad_x is out
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

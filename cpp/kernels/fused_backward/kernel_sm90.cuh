@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       Barrier::init(&smem.g_full[s], Cfg::kBuilders);
       Barrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
     }
+    if constexpr (Cfg::kSkew) Barrier::init(&smem.skew, 1);
     cutlass::arch::fence_barrier_init();
   }
   MOE_ROUTING_TRACE(threadIdx.x == 0, 0);
@@ -604,6 +605,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
+    // Cfg::kSkew: warpgroup 1 issues its first unit once warpgroup 0's first grad_x is out,
+    // so that from then on one warpgroup's wgmmas tend to run while the other stores and
+    // waits. An mbarrier, once per launch.
+    if (Cfg::kSkew && wg == 1) Barrier::wait(&smem.skew, 0);
     for (int n = 0; n < total; ++n) {
       if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
@@ -620,6 +625,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_fence_operand(acc_d);
         store_grad_x(slice, tile);
       }
+      if (Cfg::kSkew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit(n);
