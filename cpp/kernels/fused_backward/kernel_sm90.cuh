@@ -605,7 +605,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
-    // Cfg::kSkew: warpgroup 1 issues its first unit once warpgroup 0's first grad_x is out,
+    // Cfg::kSkew: warpgroup 1 issues its first unit once warpgroup 0 has issued its first (its
+    // grad_x store included; with two sweeps the first unit is a residual one and has none),
     // so that from then on one warpgroup's wgmmas tend to run while the other stores and
     // waits. An mbarrier, once per launch.
     if (Cfg::kSkew && wg == 1) Barrier::wait(&smem.skew, 0);
