@@ -26,7 +26,7 @@ int sm_count(int device) {
   return n;
 }
 
-// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kSplitE). E = 64
+// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kRoleSplit). E = 64
 // has the any-K kernels alone.
 constexpr int kWideExperts[] = {64, 128, 160};
 constexpr int kNumWide = int(sizeof(kWideExperts) / sizeof(kWideExperts[0]));

@@ -1,5 +1,5 @@
-// The fused backward for 256 experts (DeepSeek-V3), 64-column slices: each warpgroup takes 64
-// tokens of dgrad and 128 experts of wgrad (kSplitE).
+// The fused backward for 256 experts (DeepSeek-V3), 64-column slices: one consumer warpgroup
+// takes dgrad, the other wgrad (kRoleSplit).
 #include "fused_backward_launch.cuh"
 
 namespace moe_routing::detail {

@@ -1,5 +1,5 @@
 // The fused backward for 256 experts, any K up to 8 (or K = 8 with routing rows not 16-byte
-// aligned), 64-column slices (kSplitE).
+// aligned), 64-column slices (kRoleSplit).
 #include "fused_backward_launch.cuh"
 
 namespace moe_routing::detail {

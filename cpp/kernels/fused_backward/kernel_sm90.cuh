@@ -5,12 +5,12 @@
 //   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
 //              per thread; thread 0 also issues the TMA loads of x, ahead of G.
 //   consumers  warpgroups 1, 2 (64 hidden columns each; kTileH = 64: 64 tokens of each unit
-//              each, and with kSplitE half the experts of wgrad each): dgrad from the
-//              register-resident slice of w into registers → bf16 → transposing stores → TMA
-//              store of grad_x; wgrad accumulated in registers over the segment; grad_x is
-//              staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this
-//              unit's wgrad makes ptxas serialize every wgmma: it cannot track the groups
-//              across that loop.)
+//              each): dgrad from the register-resident slice of w into registers → bf16 →
+//              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
+//              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad
+//              before waiting for this unit's wgrad makes ptxas serialize every wgmma: it
+//              cannot track the groups across that loop.) kRoleSplit (256 experts): warpgroup
+//              1 computes dgrad and stores grad_x, warpgroup 2 wgrad, each of whole units.
 // Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
 // wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA
 // would have several segments the host launches the two sweeps separately, the second adding
@@ -145,7 +145,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     prefetch_tma_descriptor(p.tma_gx.get_tma_descriptor());
     for (int s = 0; s < kStagesX; ++s) {
       FullBarrier::init(&smem.x_full[s], 1);  // the TMA issuer's expect-tx
-      Barrier::init(&smem.x_empty[s], 128 * Cfg::kConsumers);
+      // kRoleSplit: wgrad's warpgroup alone reads x.
+      Barrier::init(&smem.x_empty[s], 128 * (Cfg::kRoleSplit ? 1 : Cfg::kConsumers));
     }
     for (int s = 0; s < kStagesG; ++s) {
       Barrier::init(&smem.g_full[s], Cfg::kBuilders);
@@ -283,14 +284,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   const bool leader = (ct % 128) == 0;
   typename Cfg::MmaDgrad mma_d;
   typename Cfg::MmaWgrad mma_w;
-  auto thr_d = mma_d.get_thread_slice(ct);
+  auto thr_d = mma_d.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
   auto thr_w = mma_w.get_thread_slice(Cfg::kSplitT ? ct % 128 : ct);
-  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens (kSplitE: all of them).
-  const int wgrad_k0 = Cfg::kSplitT && !Cfg::kSplitE ? wg * Cfg::kWgradSteps : 0;
-  // wgrad's experts: kSplitE, the warpgroup's half of them.
-  const int wgrad_e0 = Cfg::kSplitE ? wg * Cfg::kWgradN : 0;
-  Tensor sGt = make_tensor(make_smem_ptr(smem.g + wgrad_e0 * kTileT),
-                           typename Cfg::SmemLayoutGt{});  // (e, t, stage)
+  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens (kRoleSplit: all of
+  // them, warpgroup 1).
+  const int wgrad_k0 = Cfg::kSplitT && !Cfg::kRoleSplit ? wg * Cfg::kWgradSteps : 0;
+  Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
   Tensor mWt = make_tensor(make_gmem_ptr(p.w), make_shape(p.hidden, Int<kExperts>{}),
@@ -312,9 +311,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   // grad_x: accumulator → staging (h, t) → TMA store of this warpgroup's 64 h × kTileT box.
   auto copy_gx = make_tiled_copy_C(typename Cfg::CopyGX{}, mma_d);
-  auto thr_cp = copy_gx.get_thread_slice(ct);
+  auto thr_cp = copy_gx.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
   Tensor tCsGX = thr_cp.partition_D(sGX);  // (CPY, CPY_M, CPY_N)
-  Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + wg * cosize_v<typename Cfg::SmemLayoutGXHalf>),
+  Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + (Cfg::kRoleSplit ? 0 : wg) *
+                                                       cosize_v<typename Cfg::SmemLayoutGXHalf>),
                             typename Cfg::SmemLayoutGXHalf{});  // (h/2, t)
   Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
   Tensor gGX = local_tile(mGX, Shape<Int<Cfg::kBoxH>, Int<Cfg::kBoxT>>{},
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     const int xs = n % kStagesX, gs = n % kStagesG;
     warpgroup_fence_operand(acc_w);
     warpgroup_arrive();
-    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT && !Cfg::kSplitE ? 2 : 1) ==
+    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT && !Cfg::kRoleSplit ? 2 : 1) ==
                       size<2>(decltype(tWrX){}), "k");
     CUTE_UNROLL
     for (int k = 0; k < Cfg::kWgradSteps; ++k)
@@ -376,7 +376,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
     cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
     if (leader) {
-      if constexpr (Cfg::kSplitT) copy(p.tma_gx, tSsGX, tSgGX(_, slice, 2 * tile + wg));
+      if constexpr (Cfg::kRoleSplit) copy(p.tma_gx, tSsGX, tSgGX(_, slice, tile));
+      else if constexpr (Cfg::kSplitT) copy(p.tma_gx, tSsGX, tSgGX(_, slice, 2 * tile + wg));
       else copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
       tma_store_arrive();
     }
@@ -499,7 +500,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // kSpread and kCluster: the CTA's one segment is its slice's share `rank`. Its partial goes
   // to the (now idle) x stages as [E][kRedStride] fp32 first.
   constexpr int kRedStride = Cfg::kRedStride;
-  static_assert(Cfg::kSplitE || kExperts * kRedStride * sizeof(float) <= sizeof(smem.x),
+  static_assert(Cfg::kRoleSplit || kExperts * kRedStride * sizeof(float) <= sizeof(smem.x),
                 "partial fits");
   float* red = reinterpret_cast<float*>(smem.x);
   auto staged_vec = [&](float* staged, int v) {  // vector v of a partial staged at `staged`
@@ -507,15 +508,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                                      v % kVecsPerRow * 4);
   };
   auto red_vec = [&](int v) { return staged_vec(red, v); };
-  // acc_w → [E][kRedStride] at `staged` (kSplitE: the warpgroup's rows), once both
+  // acc_w → [E][kRedStride] at `staged`, once both
   // warpgroups are done with the stages.
   auto stage_acc_w = [&](float* staged) {
     Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e) → (h, e)
     Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
-    float* rows = staged + wgrad_e0 * kRedStride;
     CUTE_UNROLL
     for (int i = 0; i < size(acc_w); ++i)
-      rows[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+      staged[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
   };
   auto stage_partial = [&] {
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
@@ -575,17 +575,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // each over its half of every unit's tokens, staged as [E][kRedStride] (warpgroup 0's in the
   // idle G stages, 1's in the x stages), then summed in that order (after grad_w itself when
   // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
-  // flight at once. kSplitE: each warpgroup's experts, staged side by side in the G stages,
-  // written (after grad_w itself when accumulating) the same way.
-  auto write_grad_w_split_t = [&](int64_t slice) {
+  // flight at once. kRoleSplit: warpgroup 1's, staged in the G stages, written (after grad_w
+  // itself when accumulating) the same way (`stage` false_type for warpgroup 0, which holds no
+  // grad_w: so the compiler keeps no accumulators of wgrad live in its loop).
+  auto write_grad_w_split_t = [&](int64_t slice, auto stage) {
     static_assert(!Cfg::kSplitT || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
                   "partial fits");
     float* red0 = reinterpret_cast<float*>(smem.g);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX, sG
-    stage_acc_w(Cfg::kSplitE || wg == 0 ? red0 : red);
+    if constexpr (decltype(stage)::value) stage_acc_w(Cfg::kRoleSplit || wg == 0 ? red0 : red);
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
     auto part = [&](int r, int v) { return *staged_vec(r == 0 ? red0 : red, v); };
-    constexpr int kSources = Cfg::kSplitE ? 1 : 2;
+    constexpr int kSources = Cfg::kRoleSplit ? 1 : 2;
     // In two halves: fewer registers live (more made ptxas spill in the main loop).
     constexpr int kHalf = kSliceVecs / 2;
     static_assert(kHalf % 256 == 0, "whole vectors per thread");
@@ -601,7 +602,52 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
 
   int64_t reduce0 = -1, reduce1 = -1;  // kLastCta: slices this CTA sums at the end
-  if (count > 0) {
+  if constexpr (Cfg::kRoleSplit) {
+    // Warpgroup 0: dgrad and grad_x of each unit (G alone). Warpgroup 1: wgrad of each unit
+    // (x and G), the next unit's issued before the previous one's is waited for (the same
+    // accumulators: the wgmmas run in order), so that its tensor work runs back to back while
+    // warpgroup 0 stores grad_x. One segment per CTA: its slice (kSplitT).
+    if (count > 0) {
+      UnitCursor unit(unit0, tiles);
+      const int slice = unit.slice;
+      if (wg == 0) {
+        load_w(slice);
+        for (int n = 0; n < total; ++n) {
+          if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
+          const int tile = unit.tile;
+          unit.next(tiles);
+          const int s = n % kStagesG;
+          Barrier::wait(&smem.g_full[s], (n / kStagesG) & 1);
+          MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
+          if (!residual_at(n)) {  // (G's residual: wgrad alone)
+            issue_dgrad(n);
+            staging_free();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(acc_d);
+          }
+          Barrier::arrive(&smem.g_empty[s]);
+          if (!residual_at(n)) store_grad_x(slice, tile);
+          MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
+        }
+        write_grad_w_split_t(slice, cute::false_type{});
+      } else {
+        clear(acc_w);
+        warpgroup_fence_operand(acc_w);
+        for (int n = 0; n < total; ++n) {
+          wait_unit(n);
+          issue_wgrad(n);
+          if (n > 0) {
+            warpgroup_wait<1>();  // wgrad(n - 1) done
+            release_unit(n - 1);
+          }
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_w);
+        release_unit(total - 1);
+        write_grad_w_split_t(slice, cute::true_type{});
+      }
+    }
+  } else if (count > 0) {
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
@@ -634,7 +680,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if constexpr (Cfg::kSplitT) {
-        if (n + 1 == total) write_grad_w_split_t(slice);  // the CTA's one segment: its slice
+        if (n + 1 == total) write_grad_w_split_t(slice, cute::true_type{});  // its one slice
       } else if (segment_ends && p.sum == GradWSum::kLastCta) {
         if (seg_first_tile == 0 && tile == tiles - 1) {
           write_grad_w(slice);
