@@ -93,20 +93,6 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
-// 256 experts (64-column slices, kRoleSplit): one CTA per slice, or where the slices leave SMs
-// idle (112 of 132 at H = 7168) and a slice has enough tiles, one range of units per SM across
-// slices (kLastCta), if that is cheaper: a CTA's units, plus about kPartials units' time for
-// the partials of its two segments and their sum (~1.5 µs a unit at large T, H200).
-BackwardPlan plan_e256(int64_t tiles, int64_t slices, int num_sms) {
-  constexpr int64_t kPartials = 4, kMinTiles = 8;
-  const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
-  const BackwardPlan one{int(slices), 1, GradWSum::kLastCta, 64};
-  if (slices >= grid || tiles < kMinTiles) return one;
-  return ceil_div(tiles * slices, grid) + kPartials < tiles
-             ? BackwardPlan{int(grid), 1, GradWSum::kLastCta, 64}
-             : one;
-}
-
 // The kernels of one E. K = 8 with 16-byte aligned routing rows has its own (vector loads);
 // any other K or alignment takes the any-K ones. E = 64 has the any-K kernels alone, E = 256
 // the 64-column ones alone.
@@ -150,14 +136,11 @@ bool fused_backward_supported(const RouterConfig& cfg) {
 
 size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
   // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (256
-  // experts: 64-column slices, ranges on up to kFusedMaxCtas CTAs: plan_e256.)
+  // experts: 64-column slices, one CTA each, no partials.)
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = ceil_div(tokens, kTileT) * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  const size_t wide = size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
-  if (cfg.n_routed_experts != 256) return wide;
-  const size_t narrow = size_t(kFusedMaxCtas + cfg.hidden_size / 64) * size_t(256 * 64) * sizeof(float);
-  return std::max(wide, narrow);
+  return size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
 }
 
 // Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16
@@ -171,7 +154,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   const BackwardPlan pl =
       wide_index(cfg.n_routed_experts) < kNumWide
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device)
-          : plan_e256(tiles, cfg.hidden_size / 64, sm_count(device));
+          : BackwardPlan{int(cfg.hidden_size / 64), 1, GradWSum::kLastCta, 64};
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
   if (pl.one_segment_per_cta(slices))

@@ -40,17 +40,15 @@ using kernels::fused_backward::kAnyTopK;
 
 // The persistent grid and how it sums grad_w (schedule.cuh). kSpread and kCluster:
 // ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8). tile_h: the
-// slice width, 128, or 64 with one CTA per slice (ctas = H / 64, kLastCta, no partials) or,
-// 256 experts, ranges across 64-column slices on more CTAs (kLastCta).
+// slice width, 128, or 64 with one CTA per slice (ctas = H / 64, kLastCta, no partials).
 struct BackwardPlan {
   int ctas = 1;
   int per_slice = 1;
   GradWSum sum = GradWSum::kLastCta;
   int tile_h = 128;
-  // Every CTA's units lie in one slice (k CTAs per slice, or one per slice). `slices`: of
-  // 128 columns.
+  // Every CTA's units lie in one slice (k CTAs per slice, or one per slice).
   bool one_segment_per_cta(int64_t slices) const {
-    return sum != GradWSum::kLastCta || ctas == (tile_h == 64 ? 2 * slices : slices);
+    return tile_h == 64 || sum != GradWSum::kLastCta || ctas == slices;
   }
 };
 

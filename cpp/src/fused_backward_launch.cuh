@@ -84,12 +84,8 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
       passes == 0 || (passes & ~kBoth) != 0 ||
       (passes == kBoth && !plan.one_segment_per_cta(p.sched.slices)))
     return Status::kUnsupported;
-  // kTileH = 64: each CTA one whole slice (its warpgroups' partials are added in the CTA);
-  // kRoleSplit also ranges across slices on more CTAs than slices (kLastCta: at most two
-  // segments per CTA).
-  if (Cfg::kSplitT && (plan.sum != GradWSum::kLastCta ||
-                       (Cfg::kRoleSplit ? int64_t(plan.ctas) < p.sched.slices
-                                        : int64_t(plan.ctas) != p.sched.slices)))
+  // kTileH = 64: each CTA one whole slice (its warpgroups' partials are added in the CTA).
+  if (Cfg::kSplitT && (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))
     return Status::kUnsupported;
   if (plan.sum != GradWSum::kLastCta &&
       (plan.per_slice < 2 || plan.per_slice > p.sched.tiles ||

@@ -157,7 +157,6 @@ struct Config {
     alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
     int last_contributor;  // this CTA reduces grad_w of the slice it just finished
     alignas(8) uint64_t skew;  // kSkew: warpgroup 0's first grad_x is out
-    int reduce_slices[2];      // kRoleSplit, ranges: slices this CTA sums (wgrad → both)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

@@ -96,10 +96,7 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
 
 // Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
 // producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
-// kRoleSplit: wgrad's warpgroup alone (kBarWgrad).
-enum : uint32_t {
-  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarWgrad = 6
-};
+enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5 };
 constexpr uint32_t kSpreadBarThreads = 256 + 32;
 
 template <class Cfg, class P>
@@ -490,16 +487,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Broadcast from lane 0, so that the compiler sees a warp-uniform value.
     return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
   };
-  // kRoleSplit: take_ticket for wgrad's warpgroup alone, which holds the partial.
-  auto take_ticket_wgrad = [&](int64_t slice) -> bool {
-    cutlass::arch::NamedBarrier::sync(128, kBarWgrad);
-    if (ct == 128) {
-      const int contributors = sched.last_cta(slice) - sched.first_cta(slice) + 1;
-      smem.last_contributor = ticket_acq_rel(p.tickets + slice) == contributors - 1;
-    }
-    cutlass::arch::NamedBarrier::sync(128, kBarWgrad);
-    return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
-  };
   // kLastCta: the partials of a slice summed in CTA order, the same bits whichever CTA
   // finishes last (ordered after the others' partials by take_ticket).
   auto reduce_grad_w = [&](int64_t slice) {
@@ -619,24 +606,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Warpgroup 0: dgrad and grad_x of each unit (G alone). Warpgroup 1: wgrad of each unit
     // (x and G), the next unit's issued before the previous one's is waited for (the same
     // accumulators: the wgmmas run in order), so that its tensor work runs back to back while
-    // warpgroup 0 stores grad_x. Either one whole slice per CTA (ctas = slices: grad_w staged
-    // and written at the end), or ranges of units across slices on more CTAs than slices
-    // (kLastCta: each segment's grad_w a partial, summed by the slice's last contributor;
-    // two sweeps then run as two launches, each range one sweep).
-    const bool whole_slice = sched.ctas == sched.slices;
+    // warpgroup 0 stores grad_x. One segment per CTA: its slice (kSplitT).
     if (count > 0) {
       UnitCursor unit(unit0, tiles);
+      const int slice = unit.slice;
       if (wg == 0) {
-        int w_slice = unit.slice;
-        load_w(w_slice);
+        load_w(slice);
         for (int n = 0; n < total; ++n) {
           if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
-          const int slice = unit.slice, tile = unit.tile;
+          const int tile = unit.tile;
           unit.next(tiles);
-          if (slice != w_slice) {  // a range's second slice (its wgmmas are all done)
-            w_slice = slice;
-            load_w(slice);
-          }
           const int s = n % kStagesG;
           Barrier::wait(&smem.g_full[s], (n / kStagesG) & 1);
           MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
@@ -650,57 +629,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           if (!residual_at(n)) store_grad_x(slice, tile);
           MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
         }
-        if (whole_slice) write_grad_w_split_t(w_slice, cute::false_type{});
+        write_grad_w_split_t(slice, cute::false_type{});
       } else {
-        const int first_slice = unit.slice;
-        int seg_first_tile = unit.tile;
-        int reduce[2] = {-1, -1};  // slices whose partials this CTA sums at the end
         clear(acc_w);
         warpgroup_fence_operand(acc_w);
-        bool previous_released = true;
         for (int n = 0; n < total; ++n) {
-          if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
-          const int slice = unit.slice, tile = unit.tile;
-          unit.next(tiles);
           wait_unit(n);
           issue_wgrad(n);
-          if (!previous_released) {
+          if (n > 0) {
             warpgroup_wait<1>();  // wgrad(n - 1) done
             release_unit(n - 1);
           }
-          previous_released = false;
-          const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
-          if (!segment_ends) continue;
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc_w);
-          release_unit(n);
-          previous_released = true;
-          if (whole_slice) continue;  // (one segment: written after the loop)
-          if (seg_first_tile == 0 && tile == tiles - 1) {
-            write_grad_w(slice);
-          } else {
-            write_partial(slice);
-            if (take_ticket_wgrad(slice)) reduce[reduce[0] < 0 ? 0 : 1] = slice;
-          }
-          if (n + 1 < total) {
-            seg_first_tile = 0;
-            clear(acc_w);
-            warpgroup_fence_operand(acc_w);
-          }
         }
-        if (whole_slice) {
-          write_grad_w_split_t(first_slice, cute::true_type{});
-        } else if (ct == 128) {
-          smem.reduce_slices[0] = reduce[0];
-          smem.reduce_slices[1] = reduce[1];
-        }
-      }
-      if (!whole_slice) {
-        // The slices whose last contributor this CTA is, summed by both warpgroups.
-        cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-        const int r0 = smem.reduce_slices[0], r1 = smem.reduce_slices[1];
-        if (r0 >= 0) reduce_grad_w(r0);
-        if (r1 >= 0) reduce_grad_w(r1);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_w);
+        release_unit(total - 1);
+        write_grad_w_split_t(slice, cute::true_type{});
       }
     }
   } else if (count > 0) {
