@@ -508,8 +508,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
                                      v % kVecsPerRow * 4);
   };
   auto red_vec = [&](int v) { return staged_vec(red, v); };
-  // acc_w → [E][kRedStride] at `staged`, once both
-  // warpgroups are done with the stages.
+  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages.
   auto stage_acc_w = [&](float* staged) {
     Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e) → (h, e)
     Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
