@@ -3,7 +3,7 @@
 // fixed shared-memory tiles, as the kernel's main loop does (issue, commit, wait), and the
 // tool prints clocks per unit against the tensor peak (2048 bf16 multiply-adds per SM and
 // clock). Two ways to share a unit of 128 tokens × 64 hidden columns × 256 experts:
-//   data   (the kernel's kSplitE) each warpgroup: dgrad 64 h × 64 t × 256 e (A = wᵀ in
+//   data   (the kernel until v19) each warpgroup: dgrad 64 h × 64 t × 256 e (A = wᵀ in
 //          registers), wgrad 64 h × 128 e × 128 t (A = x, B = Gᵀ, both from shared memory)
 //   role   warpgroup 0: dgrad 64 h × 128 t × 256 e; warpgroup 1: wgrad 64 h × 256 e × 128 t
 //
@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
   std::printf("%d CTAs x 2 warpgroups, %d units; peak: 2048 multiply-adds per SM and clock\n", sms,
               units);
   for (int rep = 0; rep < 2; ++rep) {
-    measure<kData>("data split (kernel's kSplitE)", units, sms);
+    measure<kData>("data split (kernel until v19)", units, sms);
     measure<kRole>("role split", units, sms);
   }
   return 0;

@@ -45,7 +45,7 @@ struct Config {
   // per thread, and grad_x's accumulators, 64), warpgroup 1 wgrad of all the experts (grad_w's
   // accumulators, E / 2 = 128): all of them would not fit in one warpgroup. (Split by data,
   // each warpgroup holding 64 tokens of dgrad and half the experts of wgrad, the kernel ran
-  // 8-20% slower: BENCHMARKS.md v19.)
+  // 8-22% slower: BENCHMARKS.md v19.)
   static constexpr bool kRoleSplit = kSplitT && kExperts > 192;
   static constexpr int kDgradN = kSplitT && !kRoleSplit ? kTileT / 2 : kTileT;  // per warpgroup
   static constexpr int kWgradN = kExperts;                                       // per warpgroup
