@@ -506,8 +506,8 @@ fn backward_small_shapes(s: &Arc<CudaStream>) {
 // 8, and H = 7168, T = 4096 in clusters of 2; H = 1024, T = 2048 spreads the sum over 16 CTAs
 // through global memory, and H = 5120, T = 1536 over 3; H = 20480 (more slices than SMs) has
 // the last CTA of a slice sum it; H = 10240, T = 256 (one CTA per 128-column slice) needs no
-// sum, and H = 5120, T = 512 takes 64-column slices, one CTA each, which add their two
-// warpgroups' partials. Each is checked against the reference and for bitwise-equal repeats,
+// sum, and H = 5120, T = 512 takes 64-column slices, one CTA each, whose wgrad warpgroup
+// writes grad_w. Each is checked against the reference and for bitwise-equal repeats,
 // in both precisions (precise mode: two sweeps in one launch, or at H = 20480, where a CTA's
 // units span slices, two launches, the second accumulating).
 fn backward_grad_w_sums(s: &Arc<CudaStream>) {

@@ -8,12 +8,9 @@
 // warpgroups compute
 //   dgrad  grad_xᵀ(h, t)  = Σ_e wᵀ(h, e) · G(t, e)    A = wᵀ (registers), B = sG (K-major)
 //   wgrad  grad_wᵀ(h, e) += Σ_t xᵀ(h, t) · G(t, e)    A = sX (MN-major),  B = sGᵀ (MN-major)
-// kTileH = 128: each warpgroup owns 64 hidden columns of both GEMMs. kTileH = 64 (small T:
-// twice the slices, half the work per unit): each warpgroup owns 64 tokens of dgrad and of
-// wgrad's inner dimension, and the two wgrad partials are added at the end of the segment; or,
-// with 256 experts (kRoleSplit: grad_w of all of them would not fit in registers beside w and
-// dgrad's accumulators), warpgroup 0 computes dgrad and warpgroup 1 wgrad, each of the whole
-// unit.
+// kTileH = 128: each warpgroup owns 64 hidden columns of both GEMMs. kTileH = 64 (small T, and
+// 256 experts at every T: twice the slices, half the work per unit; kRoleSplit): warpgroup 0
+// computes dgrad and warpgroup 1 wgrad, each of the whole unit.
 // wgrad reads the same sG tile through a transposed view: the K-major SW64 atom of G, read
 // column-wise, is the MN-major SW64 atom of Gᵀ. With w in registers, shared memory holds a
 // third x stage instead, and the tensor cores read 40 KB less of it per unit.
@@ -38,28 +35,24 @@ struct Config {
   static constexpr int kTileT = 128;      // tokens per unit
   static constexpr int kTileH = kTileH_;  // hidden columns per unit
   static_assert(kTileH == 128 || kTileH == 64, "a slice is one or two warpgroups' 64 rows");
-  // The consumer warpgroups split the unit's tokens (kTileH = 64) or its hidden columns.
-  static constexpr bool kSplitT = kTileH == 64;
-  // kTileH = 64 with 256 experts: the warpgroups split the unit's GEMMs by role, not by data.
-  // Warpgroup 0 computes dgrad of all the unit's tokens (w's fragment, E / 4 = 64 registers
-  // per thread, and grad_x's accumulators, 64), warpgroup 1 wgrad of all the experts (grad_w's
-  // accumulators, E / 2 = 128): all of them would not fit in one warpgroup. (Split by data,
-  // each warpgroup holding 64 tokens of dgrad and half the experts of wgrad, the kernel ran
-  // 8-22% slower: BENCHMARKS.md v19.)
-  static constexpr bool kRoleSplit = kSplitT && kExperts > 192;
-  static constexpr int kDgradN = kSplitT && !kRoleSplit ? kTileT / 2 : kTileT;  // per warpgroup
-  static constexpr int kWgradN = kExperts;                                       // per warpgroup
-  // wgrad k-steps (16 tokens) per warpgroup; with kSplitT (not kRoleSplit) warpgroup w takes
-  // [w, w + 1) · it.
-  static constexpr int kWgradSteps = kSplitT && !kRoleSplit ? kTileT / 32 : kTileT / 16;
+  // kTileH = 128: the consumer warpgroups split the unit's hidden columns. kTileH = 64: they
+  // split the unit's GEMMs by role, not by data: warpgroup 0 computes dgrad of all the unit's
+  // tokens (w's fragment, E / 4 registers per thread, and grad_x's accumulators, 64),
+  // warpgroup 1 wgrad of all the experts (grad_w's accumulators, E / 2). Split by data (each
+  // warpgroup 64 tokens of both GEMMs; with 256 experts half the experts of wgrad), the kernels
+  // ran 1-6% slower with 64 to 160 experts and 8-22% slower with 256 (BENCHMARKS.md v19, v20).
+  static constexpr bool kRoleSplit = kTileH == 64;
+  static constexpr int kDgradN = kTileT;    // per warpgroup
+  static constexpr int kWgradN = kExperts;  // per warpgroup
+  static constexpr int kWgradSteps = kTileT / 16;  // k-steps (16 tokens) of wgrad per unit
   // Units ahead of the routing loads that their rows are prefetched into L1 (3: the best of
   // 1, 2, 3 and 5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
   static constexpr int kRoutingPrefetch = 3;
   static constexpr int kRoutingPrefetchMinUnits = 32;
   // The consumer warpgroups start a launch out of step (warpgroup 1 once warpgroup 0's first
-  // grad_x is out) where that was measured faster: the any-K kernels but the 256-expert one
-  // (BENCHMARKS.md v18: 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160,
-  // and 1.5-3.7% slower at E = 256).
+  // grad_x is out) where that was measured faster: the 128-column any-K kernels (BENCHMARKS.md
+  // v18: 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160). (The role-split
+  // kernels' warpgroups run out of step by their roles.)
   static constexpr bool kSkew = kAnyK && !kRoleSplit;
   static constexpr int kStagesX = kStagesX_;
   static constexpr int kStagesG = kStagesG_;
@@ -70,16 +63,16 @@ struct Config {
   static_assert(kBuilders == kTileT, "one builder per token of the tile");
   // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
   // the producer gives up from the 168 per thread of a 384-thread CTA, or they wait forever.
-  // kRoleSplit: 56 / 224 (the producer spills 8 bytes) ran 1.4-4% faster at T = 2048-16384
-  // than 72 / 216 (no spills) on DeepSeek-V3's shape (BENCHMARKS.md v19).
-  static constexpr int kProducerRegs = kRoleSplit ? 56 : 72;
-  static constexpr int kConsumerRegs = kRoleSplit ? 224 : 216;
+  // kRoleSplit with 256 experts: 56 / 224 (the producer spills 8 bytes) ran 1.4-4% faster at
+  // T = 2048-16384 than 72 / 216 (no spills) on DeepSeek-V3's shape (BENCHMARKS.md v19).
+  static constexpr bool kWideRoleSplit = kRoleSplit && kExperts > 192;
+  static constexpr int kProducerRegs = kWideRoleSplit ? 56 : 72;
+  static constexpr int kConsumerRegs = kWideRoleSplit ? 224 : 216;
   static_assert(128 * kProducerRegs + 128 * kConsumers * kConsumerRegs <= kThreads * 168,
                 "register reallocation must balance");
 
   static_assert(kExperts % 32 == 0 && kExperts <= 256, "E: SW64 atoms of 32, wgmma N <= 256");
-  static_assert(kSplitT || kExperts <= 160, "kTileH = 128: two G stages and grad_w in registers");
-  static_assert(!(kRoleSplit && kSkew), "the skew is for the data-split kernels");
+  static_assert(kRoleSplit || kExperts <= 160, "kTileH = 128: two G stages and grad_w in registers");
   static_assert(kExperts <= 256, "previous indices are kept as bytes");
   static_assert(kTopK % 4 == 0 && kTopK <= 16, "K slots: 16-byte vectors of a row");
   static_assert(kStagesG >= 2 && kStagesX >= kStagesG, "x runs at least as far ahead as G");
@@ -105,28 +98,25 @@ struct Config {
   // warpgroup's 64 hidden columns are one contiguous 64 h × kTileT t box.
   using SmemLayoutGX = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                               Shape<TileH, TileT>{}, Step<_2, _1>{}));
-  // (h, t): one warpgroup's half of the staging (64 h × the unit's tokens, or kTileH = 64:
-  // 64 h × 64 tokens), contiguous, the TMA store's box; kRoleSplit: the whole staging,
-  // warpgroup 0's 64 h × kTileT t.
-  static constexpr int kBoxH = kSplitT ? kTileH : kTileH / 2;
-  static constexpr int kBoxT = kSplitT && !kRoleSplit ? kTileT / 2 : kTileT;
+  // (h, t): one warpgroup's half of the staging (64 h × the unit's tokens), contiguous, the TMA
+  // store's box; kRoleSplit: the whole staging, warpgroup 0's 64 h × kTileT t.
+  static constexpr int kBoxH = 64;
+  static constexpr int kBoxT = kTileT;
   using SmemLayoutGXHalf = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{},
                                                   Shape<Int<kBoxH>, Int<kBoxT>>{}));
   static_assert(cosize_v<SmemLayoutGX> == (kRoleSplit ? 1 : 2) * cosize_v<SmemLayoutGXHalf>,
                 "one box per dgrad warpgroup");
 
-  // The warpgroups side by side along h (M), or along t (N) with kSplitT; kRoleSplit: one.
-  using DgradWarpgroups = std::conditional_t<
-      kRoleSplit, Layout<Shape<_1, _1, _1>>,
-      std::conditional_t<kSplitT, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>>;
+  // The warpgroups side by side along h (M); kRoleSplit: one.
+  using DgradWarpgroups =
+      std::conditional_t<kRoleSplit, Layout<Shape<_1, _1, _1>>, Layout<Shape<_2, _1, _1>>>;
   using MmaDgrad = decltype(make_tiled_mma(
       SM90::GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, Int<kDgradN>, _16>,
                                  GMMA::Major::K, GMMA::Major::K>(),
       DgradWarpgroups{}));
-  // kSplitT: one warpgroup's MMA, the same h for both, each over its own k-steps (kRoleSplit:
-  // warpgroup 1's, all of them).
-  using WgradWarpgroups = std::conditional_t<kSplitT, Layout<Shape<_1, _1, _1>>,
-                                             Layout<Shape<_2, _1, _1>>>;
+  // kRoleSplit: warpgroup 1's alone.
+  using WgradWarpgroups =
+      std::conditional_t<kRoleSplit, Layout<Shape<_1, _1, _1>>, Layout<Shape<_2, _1, _1>>>;
   using MmaWgrad = decltype(make_tiled_mma(
       SM90::GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kWgradN>, _16>,
                                  GMMA::Major::MN, GMMA::Major::MN>(),
@@ -157,6 +147,7 @@ struct Config {
     alignas(8) uint64_t g_empty[kStagesG];  // both GEMMs done with it
     int last_contributor;  // this CTA reduces grad_w of the slice it just finished
     alignas(8) uint64_t skew;  // kSkew: warpgroup 0's first grad_x is out
+    alignas(8) uint64_t grad_w_staged;  // kRoleSplit: warpgroup 1's grad_w is staged in sG
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");

@@ -4,13 +4,13 @@
 // Warp roles (three warpgroups):
 //   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
 //              per thread; thread 0 also issues the TMA loads of x, ahead of G.
-//   consumers  warpgroups 1, 2 (64 hidden columns each; kTileH = 64: 64 tokens of each unit
-//              each): dgrad from the register-resident slice of w into registers → bf16 →
-//              transposing stores → TMA store of grad_x; wgrad accumulated in registers over
-//              the segment; grad_x is staged while wgrad runs. (Issuing the next unit's dgrad
-//              before waiting for this unit's wgrad makes ptxas serialize every wgmma: it
-//              cannot track the groups across that loop.) kRoleSplit (256 experts): warpgroup
-//              1 computes dgrad and stores grad_x, warpgroup 2 wgrad, each of whole units.
+//   consumers  warpgroups 1, 2 (64 hidden columns each): dgrad from the register-resident
+//              slice of w into registers → bf16 → transposing stores → TMA store of grad_x;
+//              wgrad accumulated in registers over the segment; grad_x is staged while wgrad
+//              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
+//              ptxas serialize every wgmma: it cannot track the groups across that loop.)
+//              kRoleSplit (kTileH = 64): warpgroup 1 computes dgrad and stores grad_x,
+//              warpgroup 2 wgrad, each of whole units.
 // Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
 // wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA
 // would have several segments the host launches the two sweeps separately, the second adding
@@ -20,7 +20,7 @@
 // deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
 // partials from global memory; or all k CTAs of the slice each sum a share of them, from
 // global memory (all CTAs resident) or from each other's shared memory (clusters). kTileH = 64
-// runs one CTA per slice only: its two warpgroups' partials are added in shared memory.
+// runs one CTA per slice only: its wgrad warpgroup's grad_w is written through shared memory.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       Barrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
     }
     if constexpr (Cfg::kSkew) Barrier::init(&smem.skew, 1);
+    if constexpr (Cfg::kRoleSplit) Barrier::init(&smem.grad_w_staged, 128);
     cutlass::arch::fence_barrier_init();
   }
   MOE_ROUTING_TRACE(threadIdx.x == 0, 0);
@@ -200,7 +201,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
     // T <= 4096, where the prefetches delay the start). Not in the 64-column kernel (small T
     // only), whose code stays as it was.
-    constexpr int kPrefetch = Cfg::kSplitT ? 0 : Cfg::kRoutingPrefetch;
+    constexpr int kPrefetch = Cfg::kRoleSplit ? 0 : Cfg::kRoutingPrefetch;
     const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
     UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
     int pf_next = 0;                   // ... and its index
@@ -285,10 +286,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   typename Cfg::MmaDgrad mma_d;
   typename Cfg::MmaWgrad mma_w;
   auto thr_d = mma_d.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
-  auto thr_w = mma_w.get_thread_slice(Cfg::kSplitT ? ct % 128 : ct);
-  // wgrad's first k-step: kSplitT, the warpgroup's half of the tokens (kRoleSplit: all of
-  // them, warpgroup 1).
-  const int wgrad_k0 = Cfg::kSplitT && !Cfg::kRoleSplit ? wg * Cfg::kWgradSteps : 0;
+  auto thr_w = mma_w.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
@@ -355,11 +353,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     const int xs = n % kStagesX, gs = n % kStagesG;
     warpgroup_fence_operand(acc_w);
     warpgroup_arrive();
-    static_assert(Cfg::kWgradSteps * (Cfg::kSplitT && !Cfg::kRoleSplit ? 2 : 1) ==
-                      size<2>(decltype(tWrX){}), "k");
+    static_assert(Cfg::kWgradSteps == size<2>(decltype(tWrX){}), "k");
     CUTE_UNROLL
     for (int k = 0; k < Cfg::kWgradSteps; ++k)
-      gemm(mma_w, tWrX(_, _, wgrad_k0 + k, xs), tWrGt(_, _, wgrad_k0 + k, gs), acc_w);
+      gemm(mma_w, tWrX(_, _, k, xs), tWrGt(_, _, k, gs), acc_w);
     warpgroup_commit_batch();
   };
   // The staging is free once the previous unit's store has read it: checked while this unit's
@@ -377,7 +374,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
     if (leader) {
       if constexpr (Cfg::kRoleSplit) copy(p.tma_gx, tSsGX, tSgGX(_, slice, tile));
-      else if constexpr (Cfg::kSplitT) copy(p.tma_gx, tSsGX, tSgGX(_, slice, 2 * tile + wg));
       else copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
       tma_store_arrive();
     }
@@ -570,27 +566,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     cluster_wait();    // and they are done reading this one's
   };
 
-  // kSplitT (the host gives each CTA one whole slice): the warpgroups' grad_w of the slice,
-  // each over its half of every unit's tokens, staged as [E][kRedStride] (warpgroup 0's in the
-  // idle G stages, 1's in the x stages), then summed in that order (after grad_w itself when
+  // kRoleSplit (the host gives each CTA one whole slice): warpgroup 1's grad_w of the slice,
+  // staged as [E][kRedStride] in the idle G stages, then written (after grad_w itself when
   // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
-  // flight at once. kRoleSplit: warpgroup 1's, staged in the G stages, written (after grad_w
-  // itself when accumulating) the same way (`stage` false_type for warpgroup 0, which holds no
-  // grad_w: so the compiler keeps no accumulators of wgrad live in its loop).
-  auto write_grad_w_split_t = [&](int64_t slice, auto stage) {
-    static_assert(!Cfg::kSplitT || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
+  // flight at once. `stage`: false_type for warpgroup 0, which holds no grad_w (so the compiler
+  // keeps no accumulators of wgrad live in its loop). The two instantiations meet through
+  // mbarriers, not a named barrier: `bar.sync` is the aligned form, which every participant
+  // must reach at the same instruction.
+  auto write_grad_w_role_split = [&](int64_t slice, auto stage) {
+    static_assert(!Cfg::kRoleSplit || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
                   "partial fits");
-    float* red0 = reinterpret_cast<float*>(smem.g);
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX, sG
-    if constexpr (decltype(stage)::value) stage_acc_w(Cfg::kRoleSplit || wg == 0 ? red0 : red);
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    auto part = [&](int r, int v) { return *staged_vec(r == 0 ? red0 : red, v); };
-    constexpr int kSources = Cfg::kRoleSplit ? 1 : 2;
+    float* staged = reinterpret_cast<float*>(smem.g);
+    if constexpr (decltype(stage)::value) {
+      // Warpgroup 1, once warpgroup 0's last dgrad is done with sG (it reads the stages in unit
+      // order, and the producer has built its last G).
+      const int last = total - 1;
+      Barrier::wait(&smem.g_empty[last % kStagesG], (last / kStagesG) & 1);
+      stage_acc_w(staged);
+      Barrier::arrive(&smem.grad_w_staged);  // (release: the staging stores)
+    }
+    Barrier::wait(&smem.grad_w_staged, 0);  // all of it staged (both warpgroups read it)
+    auto part = [&](int, int v) { return *staged_vec(staged, v); };
     // In two halves: fewer registers live (more made ptxas spill in the main loop).
     constexpr int kHalf = kSliceVecs / 2;
     static_assert(kHalf % 256 == 0, "whole vectors per thread");
-    sum_vectors(slice, 0, kHalf, kSources, Int<kHalf / 256>{}, Int<1>{}, part);
-    sum_vectors(slice, kHalf, kSliceVecs, kSources, Int<kHalf / 256>{}, Int<1>{}, part);
+    sum_vectors(slice, 0, kHalf, 1, Int<kHalf / 256>{}, Int<1>{}, part);
+    sum_vectors(slice, kHalf, kSliceVecs, 1, Int<kHalf / 256>{}, Int<1>{}, part);
   };
 
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
@@ -605,7 +606,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Warpgroup 0: dgrad and grad_x of each unit (G alone). Warpgroup 1: wgrad of each unit
     // (x and G), the next unit's issued before the previous one's is waited for (the same
     // accumulators: the wgmmas run in order), so that its tensor work runs back to back while
-    // warpgroup 0 stores grad_x. One segment per CTA: its slice (kSplitT).
+    // warpgroup 0 stores grad_x. One segment per CTA: its slice.
     if (count > 0) {
       UnitCursor unit(unit0, tiles);
       const int slice = unit.slice;
@@ -628,7 +629,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           if (!residual_at(n)) store_grad_x(slice, tile);
           MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
         }
-        write_grad_w_split_t(slice, cute::false_type{});
+        write_grad_w_role_split(slice, cute::false_type{});
       } else {
         clear(acc_w);
         warpgroup_fence_operand(acc_w);
@@ -643,7 +644,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_w);
         release_unit(total - 1);
-        write_grad_w_split_t(slice, cute::true_type{});
+        write_grad_w_role_split(slice, cute::true_type{});
       }
     }
   } else if (count > 0) {
@@ -678,9 +679,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
-      if constexpr (Cfg::kSplitT) {
-        if (n + 1 == total) write_grad_w_split_t(slice, cute::true_type{});  // its one slice
-      } else if (segment_ends && p.sum == GradWSum::kLastCta) {
+      if (segment_ends && p.sum == GradWSum::kLastCta) {
         if (seg_first_tile == 0 && tile == tiles - 1) {
           write_grad_w(slice);
         } else {
@@ -699,7 +698,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
-  if constexpr (!Cfg::kSplitT) {
+  if constexpr (!Cfg::kRoleSplit) {
     if (p.sum == GradWSum::kCluster) reduce_grad_w_cluster(int(unit0 / tiles));
     if (p.sum == GradWSum::kSpread) reduce_grad_w_spread(int(unit0 / tiles));
     if (reduce0 >= 0) reduce_grad_w(reduce0);
