@@ -40,7 +40,7 @@ struct Config {
   // tokens (w's fragment, E / 4 registers per thread, and grad_x's accumulators, 64),
   // warpgroup 1 wgrad of all the experts (grad_w's accumulators, E / 2). Split by data (each
   // warpgroup 64 tokens of both GEMMs; with 256 experts half the experts of wgrad), the kernels
-  // ran 1-6% slower with 64 to 160 experts and 8-22% slower with 256 (BENCHMARKS.md v19, v20).
+  // ran 1-7% slower with 64 to 160 experts and 8-22% slower with 256 (BENCHMARKS.md v19, v20).
   static constexpr bool kRoleSplit = kTileH == 64;
   static constexpr int kDgradN = kTileT;    // per warpgroup
   static constexpr int kWgradN = kExperts;  // per warpgroup
