@@ -199,8 +199,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
     // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
     // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
-    // T <= 4096, where the prefetches delay the start). Not in the 64-column kernel (small T
-    // only), whose code stays as it was.
+    // T <= 4096, where the prefetches delay the start). Not in the 64-column kernels: small T,
+    // and 256 experts at every T, where it made the producer spill and ran slower (BENCHMARKS.md
+    // "After v16").
     constexpr int kPrefetch = Cfg::kRoleSplit ? 0 : Cfg::kRoutingPrefetch;
     const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
     UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
