@@ -284,10 +284,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // sees a warp-uniform value (uniform registers, not per-thread ones).
   const int wg = __shfl_sync(0xffffffffu, ct / 128, 0);
   const bool leader = (ct % 128) == 0;
+  // Thread index within the tiled MMAs and grad_x's copy: both warpgroups' (kRoleSplit: each
+  // warpgroup's MMA is its own).
+  const int mma_thread = Cfg::kRoleSplit ? ct % 128 : ct;
   typename Cfg::MmaDgrad mma_d;
   typename Cfg::MmaWgrad mma_w;
-  auto thr_d = mma_d.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
-  auto thr_w = mma_w.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
+  auto thr_d = mma_d.get_thread_slice(mma_thread);
+  auto thr_w = mma_w.get_thread_slice(mma_thread);
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
@@ -310,7 +313,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
 
   // grad_x: accumulator → staging (h, t) → TMA store of this warpgroup's 64 h × kTileT box.
   auto copy_gx = make_tiled_copy_C(typename Cfg::CopyGX{}, mma_d);
-  auto thr_cp = copy_gx.get_thread_slice(Cfg::kRoleSplit ? ct % 128 : ct);
+  auto thr_cp = copy_gx.get_thread_slice(mma_thread);
   Tensor tCsGX = thr_cp.partition_D(sGX);  // (CPY, CPY_M, CPY_N)
   Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + (Cfg::kRoleSplit ? 0 : wg) *
                                                        cosize_v<typename Cfg::SmemLayoutGXHalf>),
