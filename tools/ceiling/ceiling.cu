@@ -7,6 +7,7 @@
 //             - `copy`: a kernel of 16-byte loads and stores, 4 vectors in flight per thread,
 //               the best of: one pass (a thread per 4 vectors) or grid-stride on 2, 4 or 8
 //               CTAs of 256 threads per SM; streaming (.cs) or default loads and stores
+//               or bulk copies through a ring in shared memory (one thread per SM)
 //             - `memcpy`: cudaMemcpyAsync device to device of (R + W) / 2 bytes (rounded down
 //               to 64 KB)
 //   forward   reads 2·T·H + 2·E·H and writes 12·T·K bytes
@@ -93,6 +94,52 @@ __global__ void __launch_bounds__(kThreads) read_vectors(const uint4* __restrict
   if (acc == 0x80808080u) out[int64_t(blockIdx.x) * kThreads + threadIdx.x] = acc;
 }
 
+// Bulk copies through shared memory (the tensor memory accelerator's 1-D copies, as TMA moves
+// tiles in the fused kernels): one thread per CTA, one CTA per SM, a ring of kBulkStages
+// chunks of kBulkBytes. Chunk i (grid-stride) is loaded where i < read_chunks and stored where
+// i < write_chunks (a stored chunk that was not loaded holds the ring's old bytes).
+constexpr int kBulkStages = 6, kBulkBytes = 32 * 1024;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+__global__ void __launch_bounds__(32) bulk_copy(const char* __restrict__ in, char* __restrict__ out,
+                                                int64_t read_chunks, int64_t write_chunks) {
+  extern __shared__ __align__(128) char ring[];
+  __shared__ __align__(8) uint64_t full[kBulkStages];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < kBulkStages; ++s)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&full[s])));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  const int64_t n = read_chunks > write_chunks ? read_chunks : write_chunks;
+  int k = 0;  // chunks of this CTA so far
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x, ++k) {
+    const int s = k % kBulkStages;
+    char* stage = ring + s * kBulkBytes;
+    // The stage's previous store must have read it: at most kBulkStages - 1 groups pending.
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kBulkStages - 1) : "memory");
+    if (i < read_chunks) {
+      const uint32_t bar = smem_addr(&full[s]);
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                   "r"(kBulkBytes) : "memory");
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+          ::"r"(smem_addr(stage)), "l"(in + i * kBulkBytes), "r"(kBulkBytes), "r"(bar) : "memory");
+      const uint32_t parity = (k / kBulkStages) & 1;
+      uint32_t done = 0;
+      while (!done)
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+            : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+    if (i < write_chunks) {
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                       out + i * kBulkBytes), "r"(smem_addr(stage)), "r"(kBulkBytes) : "memory");
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 __global__ void fill(uint4* p, int64_t n, uint32_t seed) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -158,8 +205,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, dev));
   printf("device: %s, %d SMs\n", prop.name, sms);
-  printf("%-5s %7s %9s %9s %9s %9s %9s %9s  %s\n", "dir", "T", "MB", "SOL us", "copy us",
-         "memcpy us", "best TB/s", "ceiling%", "copy kernel");
+  printf("%-5s %7s %9s %9s %9s %9s %9s %9s %9s  %s\n", "dir", "T", "MB", "SOL us", "copy us",
+         "bulk us", "memcpy us", "best TB/s", "ceiling%", "copy kernel");
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   for (int c = 1; c + 3 < argc; c += 4) {
@@ -177,7 +224,8 @@ int main(int argc, char** argv) {
       // only make the ceiling more generous).
       const int64_t half = (reads + writes) / 2 / 65536 * 65536 / 16;
       const int64_t cap = std::max({rv, wv, half, int64_t(sms) * 8 * kThreads / 4 + 1,
-                                   (std::max(rv, wv) / kUnroll + kThreads) / 4 + 1});
+                                   (std::max(rv, wv) / kUnroll + kThreads) / 4 + 1,
+                                   (std::max(reads, writes) / kBulkBytes + 1) * kBulkBytes / 16});
       const int sets = int(std::min<double>(7, std::max<double>(2, 100e6 / bytes + 1)));
       // The rest of a grid's output words (read_vectors) fit in `out`.
       std::vector<uint4*> in(sets), out(sets);
@@ -216,6 +264,19 @@ int main(int argc, char** argv) {
           }
         }
       }
+      double bulk_us = 0;
+      {  // bulk copies: whole chunks (the last rounded up: a few KB more, never fewer)
+        const int64_t rc = (reads + kBulkBytes - 1) / kBulkBytes;
+        const int64_t wc = (writes + kBulkBytes - 1) / kBulkBytes;
+        const int smem = kBulkStages * kBulkBytes;
+        CK(cudaFuncSetAttribute(bulk_copy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        const double us = time_calls(st, sets, [&](int s) {
+          bulk_copy<<<sms, 32, smem, st>>>(reinterpret_cast<const char*>(in[s]),
+                                           reinterpret_cast<char*>(out[s]), rc, fwd ? 0 : wc);
+        });
+        bulk_us = us;
+        if (us < best_copy) best_copy = us, snprintf(best_how, sizeof(best_how), "bulk");
+      }
       double memcpy_us = 0;
       if (!fwd) {
         memcpy_us = time_calls(st, sets, [&](int s) {  // (R + W) / 2 bytes each way
@@ -223,8 +284,8 @@ int main(int argc, char** argv) {
         });
       }
       const double best = fwd ? best_copy : std::min(best_copy, memcpy_us);
-      printf("%-5s %7lld %9.2f %9.2f %9.2f %9.2f %9.2f %8.1f%%  %s\n", fwd ? "fwd" : "bwd",
-             (long long)T, bytes / 1e6, sol_us, best_copy, memcpy_us, bytes / best / 1e6,
+      printf("%-5s %7lld %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.1f%%  %s\n", fwd ? "fwd" : "bwd",
+             (long long)T, bytes / 1e6, sol_us, best_copy, bulk_us, memcpy_us, bytes / best / 1e6,
              100.0 * sol_us / best, best_how);
       for (int s = 0; s < sets; ++s) {
         CK(cudaFree(in[s]));
