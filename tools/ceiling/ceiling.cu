@@ -48,23 +48,33 @@ __device__ __forceinline__ void store(uint4* p, uint4 v) {
   if (kStreaming) __stcs(p, v); else *p = v;
 }
 
+// Vectors base + u·kThreads (u < kUnroll) of `in`, all loads in flight; `fill(i)` where i >= reads.
+template <bool kLoadCs, class Fill>
+__device__ __forceinline__ void load_vectors(const uint4* in, int64_t base, int64_t reads,
+                                             uint4 (&v)[kUnroll], Fill fill) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + int64_t(u) * kThreads;
+    v[u] = i < reads ? load<kLoadCs>(in + i) : fill(i);
+  }
+}
+
+// The first vector of each thread's groups of kUnroll: grid-stride, a grid that covers every
+// vector at once runs each thread's loop once.
+#define FOR_EACH_GROUP(base, n)                                                       \
+  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < (n); \
+       base += int64_t(gridDim.x) * kThreads * kUnroll)
+
 // Vectors [0, max(reads, writes)): vector i read from `in` where i < reads, written to `out`
-// where i < writes (the read value, or i where there is none). Grid-stride; a grid that covers
-// every vector at once runs each thread's loop once.
+// where i < writes (the read value, or i where there is none).
 template <bool kLoadCs, bool kStoreCs>
 __global__ void __launch_bounds__(kThreads) copy_vectors(const uint4* __restrict__ in,
                                                          uint4* __restrict__ out, int64_t reads,
                                                          int64_t writes) {
-  const int64_t n = reads > writes ? reads : writes;
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < n;
-       base += stride * kUnroll) {
+  FOR_EACH_GROUP(base, reads > writes ? reads : writes) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * kThreads;
-      v[u] = i < reads ? load<kLoadCs>(in + i) : make_uint4(uint32_t(i), 0, 0, 0);
-    }
+    load_vectors<kLoadCs>(in, base, reads, v,
+                          [](int64_t i) { return make_uint4(uint32_t(i), 0, 0, 0); });
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + int64_t(u) * kThreads;
@@ -78,16 +88,10 @@ __global__ void __launch_bounds__(kThreads) copy_vectors(const uint4* __restrict
 template <bool kLoadCs>
 __global__ void __launch_bounds__(kThreads) read_vectors(const uint4* __restrict__ in,
                                                          uint32_t* __restrict__ out, int64_t reads) {
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
   uint32_t acc = 0;
-  for (int64_t base = int64_t(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < reads;
-       base += stride * kUnroll) {
+  FOR_EACH_GROUP(base, reads) {
     uint4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * kThreads;
-      v[u] = i < reads ? load<kLoadCs>(in + i) : make_uint4(0, 0, 0, 0);
-    }
+    load_vectors<kLoadCs>(in, base, reads, v, [](int64_t) { return make_uint4(0, 0, 0, 0); });
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) acc |= (v[u].x & v[u].y & v[u].z & v[u].w) & 0x80808080u;
   }
