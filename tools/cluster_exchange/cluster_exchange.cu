@@ -172,14 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange() {
   g_check[blockIdx.x * kThreads + tid] = check;
 }
 
-#define CK(x)                                                                      \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      printf("CUDA %s at line %d\n", cudaGetErrorString(e_), __LINE__);            \
-      exit(1);                                                                     \
-    }                                                                              \
-  } while (0)
+#include "../cuda_check.h"
 
 template <int kSplit, int kWay>
 void run(std::vector<float>& check_out) {

@@ -27,7 +27,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
+#include "../cuda_check.h"
 
 constexpr int kThreads = 256;
 template <int V>

@@ -47,7 +47,7 @@ __device__ unsigned long long g_trace[kMaxCtas * 64];
 #include "fused_backward_launch.cuh"
 #include "fused_forward_launch.cuh"
 using namespace moe_routing;
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e_), __LINE__); exit(1);} } while (0)
+#include "../cuda_check.h"
 
 __device__ uint32_t hash32(uint64_t x) { x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33; return uint32_t(x); }
 __global__ void fill_bf16(uint16_t* p, int64_t n, uint64_t seed) {

@@ -107,14 +107,7 @@ __global__ void __launch_bounds__(256, 1)
   if (threadIdx.x == 0) g_stamp[blockIdx.x * (kReps + 1) + kReps] = now();
 }
 
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::printf("CUDA %s at line %d\n", cudaGetErrorString(e_), __LINE__);          \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "../cuda_check.h"
 
 }  // namespace route_bench
 using namespace route_bench;
