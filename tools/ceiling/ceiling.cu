@@ -231,11 +231,14 @@ int main(int argc, char** argv) {
       // odd multiples of 16 bytes took a path 1.5-1.6x slower on an H200; the few bytes less
       // only make the ceiling more generous).
       const int64_t half = (reads + writes) / 2 / 65536 * 65536 / 16;
-      const int64_t cap = std::max({rv, wv, half, int64_t(sms) * 8 * kThreads / 4 + 1,
-                                   (std::max(rv, wv) / kUnroll + kThreads) / 4 + 1,
+      // CTAs of a one-pass grid (the largest of the kernels' grids).
+      const int64_t need = (std::max(rv, fwd ? int64_t(0) : wv) + kThreads * kUnroll - 1) /
+                           (kThreads * kUnroll);
+      // Vectors per buffer: the copies' bytes, whole bulk chunks, and read_vectors' output
+      // words (one per thread of its grid).
+      const int64_t cap = std::max({rv, wv, half, need * kThreads / 4 + 1,
                                    (std::max(reads, writes) / kBulkBytes + 1) * kBulkBytes / 16});
       const int sets = int(std::min<double>(7, std::max<double>(2, 100e6 / bytes + 1)));
-      // The rest of a grid's output words (read_vectors) fit in `out`.
       std::vector<uint4*> in(sets), out(sets);
       for (int s = 0; s < sets; ++s) {
         CK(cudaMalloc(&in[s], cap * 16));
@@ -246,8 +249,6 @@ int main(int argc, char** argv) {
       // Variants: CTAs per SM (0: one pass, a thread per kUnroll vectors), load and store hints.
       double best_copy = 1e30;
       char best_how[32] = "";
-      const int64_t need = (std::max(rv, fwd ? int64_t(0) : wv) + kThreads * kUnroll - 1) /
-                           (kThreads * kUnroll);
       for (int per : {0, 2, 4, 8}) {
         const int grid = int(per == 0 ? need : std::min<int64_t>(int64_t(sms) * per, need));
         for (int hint = 0; hint < 3; ++hint) {  // .cs both, default loads, default both
@@ -283,7 +284,7 @@ int main(int argc, char** argv) {
                                            reinterpret_cast<char*>(out[s]), rc, fwd ? 0 : wc);
         });
         bulk_us = us;
-        if (us < best_copy) best_copy = us, snprintf(best_how, sizeof(best_how), "bulk");
+        if (bulk_us < best_copy) best_copy = bulk_us, snprintf(best_how, sizeof(best_how), "bulk");
       }
       double memcpy_us = 0;
       if (!fwd) {
