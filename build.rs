@@ -90,7 +90,11 @@ fn main() {
             .args(&extra)
             .arg(src)
             .arg("-o")
-            .arg(&obj);
+            .arg(&obj)
+            // The headers it read, so that the next build can skip it when none changed.
+            .arg("-MD")
+            .arg("-MF")
+            .arg(obj.with_extension("d"));
             if let Ok(ccbin) = env::var("NVCC_CCBIN") {
                 cmd.arg("-ccbin").arg(ccbin);
             }
@@ -102,11 +106,17 @@ fn main() {
         for _ in 0..jobs.min(commands.len()) {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some((_, cmd)) = commands.get(i) else {
+                let Some((obj, cmd)) = commands.get(i) else {
                     break;
                 };
-                let status = cmd.lock().unwrap().status().expect("failed to run nvcc");
+                let mut cmd = cmd.lock().unwrap();
+                if up_to_date(obj, &cmd) {
+                    continue;
+                }
+                let status = cmd.status().expect("failed to run nvcc");
                 assert!(status.success(), "nvcc failed on {}", sources[i].display());
+                // The command beside the object: another command (flags, toolchain) rebuilds.
+                std::fs::write(obj.with_extension("cmd"), format!("{cmd:?}")).expect("write .cmd");
             });
         }
     });
@@ -461,6 +471,29 @@ fn cache_dir() -> PathBuf {
     }
     let home = env::var("HOME").unwrap_or_else(|_| "/tmp".into());
     PathBuf::from(home).join(".cache/moe-routing")
+}
+
+/// An object is up to date when it was built by the same command and is newer than every file
+/// its dependency file (nvcc -MD) lists: a build that changes one kernel's headers recompiles
+/// only the translation units that include them.
+fn up_to_date(obj: &Path, cmd: &Command) -> bool {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let (Some(built), Ok(deps), Ok(old_cmd)) = (
+        modified(obj),
+        std::fs::read_to_string(obj.with_extension("d")),
+        std::fs::read_to_string(obj.with_extension("cmd")),
+    ) else {
+        return false;
+    };
+    if old_cmd != format!("{cmd:?}") {
+        return false;
+    }
+    // A Make rule, "obj: dep dep \\<newline> dep ...": every path after its target.
+    deps.split_whitespace()
+        .skip_while(|w| !w.ends_with(':'))
+        .skip(1)
+        .filter(|w| *w != "\\")
+        .all(|w| modified(Path::new(w)).is_some_and(|m| m <= built))
 }
 
 fn find_cuda(manifest: &Path) -> PathBuf {
