@@ -8,7 +8,7 @@
 # (target/release/deps/backward-<hash>), bench-forward[-bench] (target/release/deps/forward-<hash>)
 # and, optionally, router_example (examples/cpp build)
 # and moe_routing/ (the C/C++ package, for the PyTorch tests). OUT_DIR receives the logs and
-# results. Sections, in order (default: all): tests bench ncu sanitize example python.
+# results. Sections, in order (default: all): tests bench ncu sanitize example python trace.
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
 # longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
 # compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
@@ -53,16 +53,19 @@ for section in $sections; do
       # Small shapes, every grad_w sum mode, zero tokens, validation, and four suite cases with the tails T=3001 and
       # T=10007, under each tool. One process per (tool, test, suite case), SANITIZE_JOBS at
       # a time (racecheck of the larger backward cases takes minutes).
+      # The PyTorch dtypes on both suites: four cases, among them the public range's ends.
       cases="t512_g1x1 t1536_g4x2 t3001_g8x4 t10007_g1x1"
+      dtype_cases="s1264 s7680 t512_g1x1 t3001_g8x4"
       jobs=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         for t in backward_small_shapes backward_grad_w_sums zero_tokens invalid_arguments \
-          forward_fused_shapes; do
+          forward_fused_shapes backward_dtypes_small; do
           jobs+=("$tool $t -")
         done
-        for t in suite_backward suite_forward; do
+        for t in ${SANITIZE_SUITE_TESTS:-suite_backward suite_forward}; do
           for c in $cases; do jobs+=("$tool $t $c"); done
         done
+        for c in $dtype_cases; do jobs+=("$tool suites_in_pytorch_dtypes $c"); done
       done
       printf '%s\n' "${jobs[@]}" | xargs -P "${SANITIZE_JOBS:-16}" -L 1 sh -c '
         # $0 = OUT_DIR, $1 = BIN_DIR, then tool, test, suite case (- for none)
@@ -79,6 +82,12 @@ for section in $sections; do
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
         MOE_ROUTING_LIB="$bin/moe_routing/lib/libmoe_routing.so" PYTHONPATH="$PWD/python" \
           step python-tests 600 python3 -m pytest -q python/tests
+      fi ;;
+    trace)
+      # One backward call through the C ABI under PyTorch's profiler: its GPU operations.
+      if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
+        MOE_ROUTING_LIB="$bin/moe_routing/lib/libmoe_routing.so" \
+          step trace 300 python3 scripts/trace_backward_call.py --json "$out/trace.json"
       fi ;;
     *) echo "unknown section $section"; status=1 ;;
   esac

@@ -45,6 +45,13 @@ pub(crate) mod ffi {
         accumulate_grad_w: bool,
         precision: i32,
         workspace: Buffer,
+        /// All scores [T, E], instead of topk_scores (ptr 0: off).
+        scores: Buffer,
+        /// moe_routing::DType values of topk_idx, the scores, grad_topk_weights and grad_w.
+        topk_idx_dtype: i32,
+        scores_dtype: i32,
+        grad_topk_weights_dtype: i32,
+        grad_w_dtype: i32,
     }
 
     unsafe extern "C++" {

@@ -19,4 +19,7 @@ pub mod testing;
 
 pub use config::RouterConfig;
 pub use error::{Error, Status};
-pub use router::{cuda_device_count, BackwardOptions, ForwardExtras, Precision, Router, Routing};
+pub use router::{
+    cuda_device_count, BackwardOptions, Dtype, FloatElem, ForwardExtras, IndexElem, Precision,
+    Router, Routing, Scores,
+};

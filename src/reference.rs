@@ -361,6 +361,40 @@ pub fn routing_grad(cfg: &RouterConfig, scores: &[f32], grad_w: &[f32]) -> Vec<f
         .collect()
 }
 
+/// `Precision::TorchBf16`'s routing gradient of one token: the eager bf16 PyTorch composition,
+/// each elementwise step computed in f32 and rounded to bf16, in its order:
+///
+/// ```text
+/// S    = bf16(bf16(Σ s) + 1e-20)                 the forward's normalizer
+/// g'   = bf16(g · scale)                         scaling
+/// dot  = bf16(Σ_k bf16(g'_k · bf16(s_k / S)))    the normalization's products and their sum
+/// q    = bf16(bf16(g' − dot) / S)                the difference and the quotient (g' unnormalized)
+/// G    = bf16(bf16(q · s) · bf16(1 − s))         the sigmoid's gradient
+/// ```
+///
+/// `scores` are rounded to bf16 first (PyTorch holds them so).
+pub fn routing_grad_torch_bf16(cfg: &RouterConfig, scores: &[f32], grad_w: &[f32]) -> Vec<f64> {
+    let r = |v: f32| bf16::from_f32(v).to_f32();
+    let c = cfg.routed_scaling_factor;
+    let s: Vec<f32> = scores.iter().map(|&v| r(v)).collect();
+    let g: Vec<f32> = grad_w.iter().map(|&v| r(v * c)).collect();
+    let q: Vec<f32> = if cfg.norm_topk_prob {
+        let sum = r(r(s.iter().sum::<f32>()) + 1e-20);
+        let dot = r(g
+            .iter()
+            .zip(&s)
+            .map(|(&gk, &sk)| r(gk * r(sk / sum)))
+            .sum::<f32>());
+        g.iter().map(|&gk| r(r(gk - dot) / sum)).collect()
+    } else {
+        g
+    };
+    q.iter()
+        .zip(&s)
+        .map(|(&qk, &sk)| f64::from(r(r(qk * sk) * r(1.0 - sk))))
+        .collect()
+}
+
 /// Reference backward: gradients of `x` and `w` given the gradient of the
 /// routing weights (the bias gets no gradient).
 ///
@@ -374,6 +408,52 @@ pub fn backward(
     topk_idx: &[i32],
     topk_scores: &[f32],
     grad_topk_weights: &[f32],
+) -> BackwardOutput {
+    backward_with(
+        cfg,
+        tokens,
+        x,
+        w,
+        topk_idx,
+        topk_scores,
+        grad_topk_weights,
+        routing_grad,
+    )
+}
+
+/// [`backward`] with `Precision::TorchBf16`'s routing gradient
+/// ([`routing_grad_torch_bf16`]); the GEMMs exact, as there.
+pub fn backward_torch_bf16(
+    cfg: &RouterConfig,
+    tokens: usize,
+    x: &[bf16],
+    w: &[bf16],
+    topk_idx: &[i32],
+    topk_scores: &[f32],
+    grad_topk_weights: &[f32],
+) -> BackwardOutput {
+    backward_with(
+        cfg,
+        tokens,
+        x,
+        w,
+        topk_idx,
+        topk_scores,
+        grad_topk_weights,
+        routing_grad_torch_bf16,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_with(
+    cfg: &RouterConfig,
+    tokens: usize,
+    x: &[bf16],
+    w: &[bf16],
+    topk_idx: &[i32],
+    topk_scores: &[f32],
+    grad_topk_weights: &[f32],
+    routing_grad: fn(&RouterConfig, &[f32], &[f32]) -> Vec<f64>,
 ) -> BackwardOutput {
     validate_config(cfg);
     let h = cfg.hidden_size;
@@ -736,6 +816,42 @@ mod tests {
         for (a, b) in gl.iter().zip(&want) {
             assert!((a - b).abs() < 1e-15);
         }
+    }
+
+    #[test]
+    fn torch_bf16_routing_grad_rounds_each_step() {
+        let mut rng = Rng::new(17);
+        for norm in [true, false] {
+            let c = cfg(4, 160, 8, 1, 1, 2.5, norm);
+            for _ in 0..200 {
+                let s: Vec<f32> = (0..8)
+                    .map(|_| (0.01 + 0.98 * rng.uniform()) as f32)
+                    .collect();
+                let g: Vec<f32> = (0..8).map(|_| (2.0 * rng.uniform() - 1.0) as f32).collect();
+                let exact = routing_grad(&c, &s, &g);
+                let torch = routing_grad_torch_bf16(&c, &s, &g);
+                // Every value a bf16, and within a few bf16 roundings of the exact gradient
+                // (the normalization's difference cancels: measured against its terms' scale).
+                let scale = exact.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                for (t, e) in torch.iter().zip(&exact) {
+                    assert_eq!(f64::from(bf16::from_f64(*t).to_f32()), *t);
+                    assert!((t - e).abs() <= 0.05 * scale, "{t} vs {e} (scale {scale})");
+                }
+            }
+        }
+        // One token by hand, K = 2, scale 1: S = 0.75, w = (2/3 → 0.66796875, 1/3 → 0.333984375),
+        // dot = bf16(1·0.66796875 + bf16(-2·0.333984375)) = 0.66796875 - 0.66796875 = 0.
+        let c = cfg(4, 8, 2, 1, 1, 1.0, true);
+        let got = routing_grad_torch_bf16(&c, &[0.5, 0.25], &[1.0, -2.0]);
+        let r = |v: f32| f64::from(bf16::from_f32(v).to_f32());
+        let q = [r(1.0 / 0.75), r(-2.0 / 0.75)];
+        assert_eq!(
+            got,
+            vec![
+                r(r(q[0] as f32 * 0.5) as f32 * 0.5),
+                r(r(q[1] as f32 * 0.25) as f32 * 0.75)
+            ]
+        );
     }
 
     /// w all zero → every sigmoid is exactly 0.5 and `bias` alone decides.

@@ -24,7 +24,64 @@ pub enum Precision {
     #[default]
     Default,
     /// fp32-accurate grad_w; grad_x within its own bf16 output rounding (README: errors).
+    /// grad_w must be f32.
     Precise,
+    /// The routing gradient rounded to bf16 after every elementwise step, in the order of the
+    /// eager bf16 PyTorch composition (README: numerics), so that the results match it up to
+    /// the GEMMs' accumulation order. Less exact than `Default`.
+    TorchBf16,
+}
+
+impl Precision {
+    fn code(self) -> i32 {
+        match self {
+            Precision::Default => 0,
+            Precision::Precise => 1,
+            Precision::TorchBf16 => 2,
+        }
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type of the backward's inputs that come in several (its `moe_routing::DType`).
+pub trait Dtype: sealed::Sealed {
+    #[doc(hidden)]
+    const CODE: i32;
+}
+/// Index types of `topk_idx`: i32 or i64.
+pub trait IndexElem: Dtype {}
+/// Real types of the scores, their gradients and grad_w: f32 or bf16.
+pub trait FloatElem: Dtype {}
+impl Dtype for f32 {
+    const CODE: i32 = 0;
+}
+impl Dtype for bf16 {
+    const CODE: i32 = 1;
+}
+impl Dtype for i32 {
+    const CODE: i32 = 2;
+}
+impl Dtype for i64 {
+    const CODE: i32 = 3;
+}
+impl IndexElem for i32 {}
+impl IndexElem for i64 {}
+impl FloatElem for f32 {}
+impl FloatElem for bf16 {}
+
+/// The sigmoid scores the backward reads.
+pub enum Scores<P> {
+    /// At the chosen experts, [tokens, K] (the forward's `topk_scores`).
+    Chosen(P),
+    /// Of all experts, [tokens, E]: only the K chosen of each token are read.
+    All(P),
 }
 
 /// How the backward writes its results.
@@ -241,11 +298,48 @@ impl Router {
         options: BackwardOptions,
         workspace: &mut impl DevicePtrMut<u8>,
     ) -> Result<(), Error> {
+        self.backward_as(
+            stream,
+            tokens,
+            x,
+            w,
+            topk_idx,
+            Scores::Chosen(topk_scores),
+            grad_topk_weights,
+            grad_x,
+            grad_w,
+            options,
+            workspace,
+        )
+    }
+
+    /// [`Router::backward`] on the inputs as PyTorch holds them, read in place by the kernel:
+    /// int32 or int64 `topk_idx`, the scores at the chosen experts [tokens, K] or of all
+    /// experts [tokens, E] (f32 or bf16), f32 or bf16 `grad_topk_weights`; grad_w written as
+    /// f32 or bf16 (bf16: not accumulated, not with `Precision::Precise`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_as<I: IndexElem, S: FloatElem, G: FloatElem, W: FloatElem>(
+        &self,
+        stream: &Arc<CudaStream>,
+        tokens: usize,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        topk_idx: &impl DevicePtr<I>,
+        scores: Scores<&impl DevicePtr<S>>,
+        grad_topk_weights: &impl DevicePtr<G>,
+        grad_x: &mut impl DevicePtrMut<bf16>,
+        grad_w: &mut impl DevicePtrMut<W>,
+        options: BackwardOptions,
+        workspace: &mut impl DevicePtrMut<u8>,
+    ) -> Result<(), Error> {
         let (th, eh, tk) = self.sizes(tokens)?;
         need(x.len(), th, "x")?;
         need(w.len(), eh, "w")?;
         need(topk_idx.len(), tk, "topk_idx")?;
-        need(topk_scores.len(), tk, "topk_scores")?;
+        match &scores {
+            Scores::Chosen(s) => need(s.len(), tk, "topk_scores")?,
+            Scores::All(s) => need(s.len(), tokens * self.cfg.n_routed_experts, "scores")?,
+        }
         need(grad_topk_weights.len(), tk, "grad_topk_weights")?;
         need(grad_x.len(), th, "grad_x")?;
         need(grad_w.len(), eh, "grad_w")?;
@@ -254,23 +348,44 @@ impl Router {
             self.backward_workspace_bytes(tokens),
             "workspace",
         )?;
+        if W::CODE == bf16::CODE {
+            if options.accumulate_grad_w {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    "grad_w: bf16 is written, never accumulated (accumulate into f32)",
+                ));
+            }
+            if options.precision == Precision::Precise {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    "grad_w: Precision::Precise writes f32 grad_w, not bf16",
+                ));
+            }
+        }
         stream.context().bind_to_thread()?;
         let mut g = Guards(Vec::with_capacity(9));
+        let off = || ffi::Buffer { ptr: 0, len: 0 };
+        let (topk_scores, all_scores) = match scores {
+            Scores::Chosen(s) => (g.read(s, stream), off()),
+            Scores::All(s) => (off(), g.read(s, stream)),
+        };
         let bufs = ffi::BackwardBuffers {
             tokens: len_i64(tokens),
             x: g.read(x, stream),
             w: g.read(w, stream),
             topk_idx: g.read(topk_idx, stream),
-            topk_scores: g.read(topk_scores, stream),
+            topk_scores,
             grad_topk_weights: g.read(grad_topk_weights, stream),
             grad_x: g.write(grad_x, stream),
             grad_w: g.write(grad_w, stream),
             accumulate_grad_w: options.accumulate_grad_w,
-            precision: match options.precision {
-                Precision::Default => 0,
-                Precision::Precise => 1,
-            },
+            precision: options.precision.code(),
             workspace: g.write(workspace, stream),
+            scores: all_scores,
+            topk_idx_dtype: I::CODE,
+            scores_dtype: S::CODE,
+            grad_topk_weights_dtype: G::CODE,
+            grad_w_dtype: W::CODE,
         };
         // SAFETY: as in `forward`.
         let code = unsafe { ffi::router_backward(&self.ffi_cfg, &bufs, stream.cu_stream() as u64) };

@@ -72,6 +72,12 @@ struct BackwardArgs {
     workspace_bytes: i64,
     accumulate_grad_w: i32,
     reserved: u32,
+    scores: *const c_void,
+    scores_len: i64,
+    topk_idx_dtype: i32,
+    scores_dtype: i32,
+    grad_topk_weights_dtype: i32,
+    grad_w_dtype: i32,
 }
 
 extern "C" {
@@ -100,6 +106,7 @@ const MISALIGNED: i32 = 4;
 const BUFFER_TOO_SMALL: i32 = 5;
 const FOREIGN_POINTER: i32 = 6;
 const CUDA_ERROR: i32 = 7;
+const UNSUPPORTED: i32 = 8;
 
 fn glm() -> Config {
     Config {
@@ -162,6 +169,12 @@ fn backward_args() -> BackwardArgs {
         workspace_bytes: 0,
         accumulate_grad_w: 0,
         reserved: 0,
+        scores: null(),
+        scores_len: 0,
+        topk_idx_dtype: 0,
+        scores_dtype: 0,
+        grad_topk_weights_dtype: 0,
+        grad_w_dtype: 0,
     }
 }
 
@@ -184,7 +197,8 @@ fn layout_matches_the_header() {
     assert_eq!(offset_of!(ForwardArgs, topk_scores_len), 104);
     assert_eq!(offset_of!(ForwardArgs, scores), 112); // MOE_ROUTING_FORWARD_ARGS_SIZE_V1
     assert_eq!(offset_of!(ForwardArgs, expert_counts_len), 136);
-    assert_eq!(size_of::<BackwardArgs>(), 152);
+    assert_eq!(size_of::<BackwardArgs>(), 184);
+    assert_eq!(offset_of!(BackwardArgs, scores), 152); // MOE_ROUTING_BACKWARD_ARGS_SIZE_V1
     assert_eq!(offset_of!(BackwardArgs, workspace_bytes), 136);
     assert_eq!(offset_of!(BackwardArgs, accumulate_grad_w), 144);
 }
@@ -315,6 +329,125 @@ fn first_release_forward_args_are_accepted() {
     assert!(got != INVALID_CONFIG && got != BUFFER_TOO_SMALL, "{got}");
 }
 
+/// Valid backward arguments in host memory for `tokens` tokens (a device-pass error at most).
+fn host_backward_args(host: &[u8], tokens: i64) -> BackwardArgs {
+    let c = glm();
+    let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
+    let base = (host.as_ptr() as u64).div_ceil(256) * 256;
+    let at = |slot: u64| base + slot * 256;
+    BackwardArgs {
+        tokens,
+        x: at(0) as *const u16,
+        x_len: tokens * h,
+        w: at(1) as *const u16,
+        w_len: e * h,
+        topk_idx: at(2) as *const i32,
+        topk_idx_len: tokens * k,
+        topk_scores: at(3) as *const f32,
+        topk_scores_len: tokens * k,
+        grad_topk_weights: at(4) as *const f32,
+        grad_topk_weights_len: tokens * k,
+        grad_x: at(5) as *mut u16,
+        grad_x_len: tokens * h,
+        grad_w: at(6) as *mut f32,
+        grad_w_len: e * h,
+        workspace: at(7) as *mut c_void,
+        workspace_bytes: unsafe { moe_routing_backward_workspace_bytes(&c, tokens) } as i64,
+        ..backward_args()
+    }
+}
+
+#[test]
+fn backward_dtypes_are_checked_before_cuda() {
+    const F32: i32 = 1;
+    const BF16: i32 = 2;
+    const I32: i32 = 3;
+    const I64: i32 = 4;
+    let c = glm();
+    let host = vec![0u8; 16 * 256];
+    let good = host_backward_args(&host, 7);
+    let device_pass = |status: i32| status == CUDA_ERROR || status == FOREIGN_POINTER;
+    let call = |b: &BackwardArgs| unsafe { moe_routing_backward(&c, b, null_mut()) };
+    assert!(device_pass(call(&good)));
+    // The first release's struct: its declared dtypes, the appended fields not read.
+    let v1 = BackwardArgs {
+        struct_size: 152,
+        topk_idx_dtype: 99,
+        ..host_backward_args(&host, 7)
+    };
+    assert!(device_pass(call(&v1)));
+    // Each accepted dtype, and the declared ones named.
+    for (idx, sc, g, gw) in [
+        (I32, F32, F32, F32),
+        (I64, BF16, BF16, BF16),
+        (0, BF16, 0, BF16),
+    ] {
+        let b = BackwardArgs {
+            topk_idx_dtype: idx,
+            scores_dtype: sc,
+            grad_topk_weights_dtype: g,
+            grad_w_dtype: gw,
+            ..host_backward_args(&host, 7)
+        };
+        assert!(device_pass(call(&b)), "{idx} {sc} {g} {gw}");
+    }
+    // Dtypes a field does not take.
+    for (idx, sc, g, gw) in [
+        (F32, 0, 0, 0),
+        (BF16, 0, 0, 0),
+        (5, 0, 0, 0),
+        (-1, 0, 0, 0),
+        (0, I64, 0, 0),
+        (0, 0, I32, 0),
+        (0, 0, 0, I64),
+    ] {
+        let b = BackwardArgs {
+            topk_idx_dtype: idx,
+            scores_dtype: sc,
+            grad_topk_weights_dtype: g,
+            grad_w_dtype: gw,
+            ..host_backward_args(&host, 7)
+        };
+        assert_eq!(call(&b), INVALID_CONFIG, "{idx} {sc} {g} {gw}");
+    }
+    // The scores in one form only.
+    let both = BackwardArgs {
+        scores: host.as_ptr().cast(),
+        scores_len: 7 * c.n_routed_experts,
+        ..host_backward_args(&host, 7)
+    };
+    assert_eq!(call(&both), INVALID_CONFIG);
+    // All experts' scores: [T, E] elements, in place of the chosen ones.
+    let all = BackwardArgs {
+        topk_scores: null(),
+        topk_scores_len: 0,
+        scores_len: 7 * c.n_routed_experts - 1,
+        ..both
+    };
+    assert_eq!(call(&all), BUFFER_TOO_SMALL);
+    assert!(device_pass(call(&BackwardArgs {
+        scores_len: 7 * c.n_routed_experts,
+        ..all
+    })));
+    // int64 indices are 8-byte aligned.
+    let b = BackwardArgs {
+        topk_idx_dtype: I64,
+        topk_idx: unsafe { good.topk_idx.byte_add(4) },
+        ..host_backward_args(&host, 7)
+    };
+    assert_eq!(call(&b), MISALIGNED);
+    // bf16 grad_w is written: neither accumulated nor precise.
+    for (accumulate, precision) in [(1, 0), (0, 1)] {
+        let b = BackwardArgs {
+            grad_w_dtype: BF16,
+            accumulate_grad_w: accumulate,
+            precision,
+            ..host_backward_args(&host, 7)
+        };
+        assert_eq!(call(&b), UNSUPPORTED);
+    }
+}
+
 #[test]
 fn workspace_size() {
     let c = glm();
@@ -351,7 +484,7 @@ fn null_and_malformed_arguments_are_rejected_before_cuda() {
             moe_routing_forward(&bad, null(), null_mut()),
             INVALID_CONFIG
         );
-        for (precision, accumulate) in [(2, 0), (-1, 0), (0, 2)] {
+        for (precision, accumulate) in [(3, 0), (-1, 0), (0, 2)] {
             let b = BackwardArgs {
                 precision,
                 accumulate_grad_w: accumulate,

@@ -22,6 +22,9 @@ const GRAD_W_TOL: f64 = 5e-3;
 const PRECISE_GRAD_X_TOL: f64 = 4e-3;
 const PRECISE_GRAD_W_TOL: f64 = 1e-5;
 
+#[path = "gpu/dtypes.rs"]
+mod dtypes;
+
 type Test = (&'static str, fn(&Arc<CudaStream>));
 
 fn main() {
@@ -46,6 +49,7 @@ fn main() {
             "backward_unaligned_routing_rows",
             backward_unaligned_routing_rows,
         ),
+        ("backward_dtypes_small", dtypes::backward_dtypes_small),
         ("zero_tokens", zero_tokens),
         (
             "invalid_arguments_touch_nothing",
@@ -58,6 +62,7 @@ fn main() {
         ("huge_batch", huge_batch),
         ("suite_forward", suite_forward),
         ("suite_backward", suite_backward),
+        ("suites_in_pytorch_dtypes", dtypes::suites_in_pytorch_dtypes),
     ];
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let selected: Vec<&Test> = tests
@@ -363,8 +368,8 @@ fn check_case(
     {
         // Precise mode: fp32-accurate grad_w; grad_x within its bf16 output rounding.
         let (tol_x, tol_w) = match precision {
-            Precision::Default => (GRAD_X_TOL, GRAD_W_TOL),
             Precision::Precise => (PRECISE_GRAD_X_TOL, PRECISE_GRAD_W_TOL),
+            Precision::Default | Precision::TorchBf16 => (GRAD_X_TOL, GRAD_W_TOL),
         };
         for accumulate in [false, true] {
             let eh = cfg.n_routed_experts * cfg.hidden_size;
@@ -1970,8 +1975,8 @@ fn huge_batch(s: &Arc<CudaStream>) {
         .unwrap();
     for precision in [Precision::Default, Precision::Precise] {
         let (tol_x, tol_w) = match precision {
-            Precision::Default => (GRAD_X_TOL, GRAD_W_TOL),
             Precision::Precise => (PRECISE_GRAD_X_TOL, PRECISE_GRAD_W_TOL),
+            Precision::Default | Precision::TorchBf16 => (GRAD_X_TOL, GRAD_W_TOL),
         };
         let mut gx: CudaSlice<bf16> = poisoned(s, tokens * h);
         let mut gw: CudaSlice<f32> = poisoned(s, eh);

@@ -24,6 +24,12 @@ DeviceSpan<T> span(const Buffer& b) {
   return {reinterpret_cast<T*>(static_cast<uintptr_t>(b.ptr)), b.len};
 }
 
+// (Rust's dtypes are its element types' moe_routing::DType values; validate_backward checks them.)
+DeviceInput input(const Buffer& b, int32_t dtype) {
+  return {reinterpret_cast<const void*>(static_cast<uintptr_t>(b.ptr)), b.len,
+          static_cast<DType>(dtype)};
+}
+
 // No exception may cross into Rust.
 template <class F>
 int32_t guarded(F&& f) noexcept {
@@ -67,11 +73,13 @@ int32_t router_backward(const Config& cfg, const BackwardBuffers& b, uint64_t st
     a.tokens = b.tokens;
     a.x = span<const uint16_t>(b.x);
     a.w = span<const uint16_t>(b.w);
-    a.topk_idx = span<const int32_t>(b.topk_idx);
-    a.topk_scores = span<const float>(b.topk_scores);
-    a.grad_topk_weights = span<const float>(b.grad_topk_weights);
+    a.topk_idx = input(b.topk_idx, b.topk_idx_dtype);
+    (b.scores.ptr ? a.scores : a.topk_scores) =
+        input(b.scores.ptr ? b.scores : b.topk_scores, b.scores_dtype);
+    a.grad_topk_weights = input(b.grad_topk_weights, b.grad_topk_weights_dtype);
     a.grad_x = span<uint16_t>(b.grad_x);
-    a.grad_w = span<float>(b.grad_w);
+    a.grad_w = DeviceOutput(reinterpret_cast<void*>(static_cast<uintptr_t>(b.grad_w.ptr)),
+                            b.grad_w.len, static_cast<DType>(b.grad_w_dtype));
     a.accumulate_grad_w = b.accumulate_grad_w;
     a.precision = static_cast<Precision>(b.precision);
     a.workspace = span<uint8_t>(b.workspace);

@@ -5,23 +5,22 @@
 
 #include <cuda_bf16.h>
 
-#include "kernels/routing.cuh"
+#include "kernels/routing_inputs.cuh"
 
 namespace moe_routing::kernels {
 
 struct BackwardParams {
   const __nv_bfloat16* x;          // [T, H]
   const __nv_bfloat16* w;          // [E, H]
-  const int32_t* topk_idx;         // [T, K]
-  const float* topk_scores;        // [T, K]
-  const float* grad_topk_weights;  // [T, K]
+  RoutingInputs routing;           // [T, K] indices and gradients, the scores
   __nv_bfloat16* grad_x;           // [T, H]
-  float* grad_w;                   // [E, H]
+  void* grad_w;                    // [E, H] f32, or bf16 (grad_w_bf16; written)
   float* dense_grad;               // [T, E] workspace (G)
   int64_t tokens;
   int hidden, experts, top_k;
   float scale;
-  bool norm, accumulate;
+  bool norm, accumulate, grad_w_bf16;
+  bool torch_bf16;  // Precision::kTorchBf16
 };
 
 // One warp per token: grad_logit at the K chosen experts, scattered into a zeroed G row.
@@ -30,8 +29,8 @@ __global__ void routing_grad_dense(BackwardParams p) {
   const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (t >= p.tokens) return;
-  const auto [e, gl] = load_routing_grad_lane(p.topk_idx, p.topk_scores, p.grad_topk_weights, t,
-                                              p.top_k, p.scale, p.norm);
+  const auto [e, gl] =
+      load_routing_grad_lane(p.routing, t, p.top_k, p.scale, p.norm, p.torch_bf16);
   float* row = p.dense_grad + t * p.experts;
   for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
   __syncwarp();
@@ -53,8 +52,8 @@ __global__ void __launch_bounds__(kGradXThreads) grad_x_sparse(BackwardParams p)
   const int64_t t = blockIdx.x;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const auto [e, gl] = load_routing_grad_lane(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                                                t, p.top_k, p.scale, p.norm);
+    const auto [e, gl] =
+        load_routing_grad_lane(p.routing, t, p.top_k, p.scale, p.norm, p.torch_bf16);
     gl_s[lane] = (e >= 0 && e < p.experts) ? gl : 0.0f;
     idx_s[lane] = (e >= 0 && e < p.experts) ? e : 0;
   }
@@ -119,8 +118,13 @@ __global__ void __launch_bounds__(kWgThreads) grad_w_tiled(BackwardParams p) {
     for (int j = 0; j < 4; ++j) {
       int h = h0 + th * 4 + j;
       if (h >= p.hidden) continue;
-      float* dst = p.grad_w + int64_t(e) * p.hidden + h;
-      *dst = p.accumulate ? *dst + acc[i][j] : acc[i][j];
+      const int64_t o = int64_t(e) * p.hidden + h;
+      if (p.grad_w_bf16) {
+        static_cast<__nv_bfloat16*>(p.grad_w)[o] = __float2bfloat16_rn(acc[i][j]);
+      } else {
+        float* dst = static_cast<float*>(p.grad_w) + o;
+        *dst = p.accumulate ? *dst + acc[i][j] : acc[i][j];
+      }
     }
   }
 }

@@ -22,7 +22,9 @@ static_assert(offsetof(moe_routing_forward_args, scores) == MOE_ROUTING_FORWARD_
 static_assert(offsetof(moe_routing_forward_args, tokens) == 8, "moe_routing_forward_args layout");
 static_assert(offsetof(moe_routing_forward_args, topk_scores_len) == 104,
               "moe_routing_forward_args layout");
-static_assert(sizeof(moe_routing_backward_args) == 152, "moe_routing_backward_args layout");
+static_assert(sizeof(moe_routing_backward_args) == 184, "moe_routing_backward_args layout");
+static_assert(offsetof(moe_routing_backward_args, scores) == MOE_ROUTING_BACKWARD_ARGS_SIZE_V1,
+              "moe_routing_backward_args: dtypes appended to the first release's struct");
 static_assert(offsetof(moe_routing_backward_args, tokens) == 8,
               "moe_routing_backward_args layout");
 static_assert(offsetof(moe_routing_backward_args, workspace_bytes) == 136,
@@ -43,6 +45,7 @@ static_assert(MOE_ROUTING_CUDA_ERROR == int32_t(Status::kCudaError));
 static_assert(MOE_ROUTING_UNSUPPORTED == int32_t(Status::kUnsupported));
 static_assert(MOE_ROUTING_PRECISION_DEFAULT == int32_t(moe_routing::Precision::kDefault));
 static_assert(MOE_ROUTING_PRECISION_PRECISE == int32_t(moe_routing::Precision::kPrecise));
+static_assert(MOE_ROUTING_PRECISION_TORCH_BF16 == int32_t(moe_routing::Precision::kTorchBf16));
 
 constexpr int32_t code(Status s) { return static_cast<int32_t>(s); }
 
@@ -90,12 +93,40 @@ Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* o
   return Status::kSuccess;
 }
 
+// A dtype field: DECLARED gives `declared`; else one of `allowed`.
+bool to_dtype(int32_t v, moe_routing::DType declared, moe_routing::DType also,
+              moe_routing::DType* out) {
+  using moe_routing::DType;
+  DType t;
+  switch (v) {
+    case MOE_ROUTING_DTYPE_DECLARED: t = declared; break;
+    case MOE_ROUTING_DTYPE_F32: t = DType::kF32; break;
+    case MOE_ROUTING_DTYPE_BF16: t = DType::kBF16; break;
+    case MOE_ROUTING_DTYPE_I32: t = DType::kI32; break;
+    case MOE_ROUTING_DTYPE_I64: t = DType::kI64; break;
+    default: return false;
+  }
+  if (t != declared && t != also) return false;
+  *out = t;
+  return true;
+}
+
 Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs* out) {
+  using moe_routing::DType;
   if (a == nullptr) return Status::kNullPointer;
-  if (a->struct_size != sizeof(moe_routing_backward_args) || a->reserved != 0)
+  const bool v1 = a->struct_size == MOE_ROUTING_BACKWARD_ARGS_SIZE_V1;
+  if ((!v1 && a->struct_size != sizeof(moe_routing_backward_args)) || a->reserved != 0)
     return Status::kInvalidConfig;
   if (a->precision != MOE_ROUTING_PRECISION_DEFAULT &&
-      a->precision != MOE_ROUTING_PRECISION_PRECISE)
+      a->precision != MOE_ROUTING_PRECISION_PRECISE &&
+      a->precision != MOE_ROUTING_PRECISION_TORCH_BF16)
+    return Status::kInvalidConfig;
+  // A first-release caller's struct ends before the dtypes: its declared ones.
+  DType idx_t = DType::kI32, scores_t = DType::kF32, grad_t = DType::kF32, grad_w_t = DType::kF32;
+  if (!v1 && (!to_dtype(a->topk_idx_dtype, DType::kI32, DType::kI64, &idx_t) ||
+              !to_dtype(a->scores_dtype, DType::kF32, DType::kBF16, &scores_t) ||
+              !to_dtype(a->grad_topk_weights_dtype, DType::kF32, DType::kBF16, &grad_t) ||
+              !to_dtype(a->grad_w_dtype, DType::kF32, DType::kBF16, &grad_w_t)))
     return Status::kInvalidConfig;
   moe_routing::BackwardArgs b;
   if (!flag(a->accumulate_grad_w, &b.accumulate_grad_w)) return Status::kInvalidConfig;
@@ -103,11 +134,12 @@ Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs
   b.tokens = a->tokens;
   b.x = {a->x, a->x_len};
   b.w = {a->w, a->w_len};
-  b.topk_idx = {a->topk_idx, a->topk_idx_len};
-  b.topk_scores = {a->topk_scores, a->topk_scores_len};
-  b.grad_topk_weights = {a->grad_topk_weights, a->grad_topk_weights_len};
+  b.topk_idx = {a->topk_idx, a->topk_idx_len, idx_t};
+  b.topk_scores = {a->topk_scores, a->topk_scores_len, scores_t};
+  if (!v1) b.scores = {a->scores, a->scores_len, scores_t};
+  b.grad_topk_weights = {a->grad_topk_weights, a->grad_topk_weights_len, grad_t};
   b.grad_x = {a->grad_x, a->grad_x_len};
-  b.grad_w = {a->grad_w, a->grad_w_len};
+  b.grad_w = {a->grad_w, a->grad_w_len, grad_w_t};
   b.workspace = {static_cast<uint8_t*>(a->workspace), a->workspace_bytes};
   *out = b;
   return Status::kSuccess;

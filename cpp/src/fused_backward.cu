@@ -157,6 +157,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
           : BackwardPlan{int(cfg.hidden_size / 64), 1, GradWSum::kLastCta, 64};
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
+  // (validate_backward: precise mode writes grad_w as f32.)
   if (pl.one_segment_per_cta(slices))
     return launch_passes(cfg, a, device, pl, stream, kPassG | kPassResidual);
   const Status s = launch_passes(cfg, a, device, pl, stream, kPassG);

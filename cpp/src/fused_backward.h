@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "kernels/fused_backward/schedule.cuh"
+#include "kernels/routing_inputs.cuh"
 #include "moe_routing/router.h"
 
 namespace moe_routing::detail {
@@ -26,8 +27,25 @@ size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
 
-// All three routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as
-// 16-byte vectors); the API asks only 4-byte alignment, which the any-K kernels take.
+// The routing inputs as the kernels read them (validated arguments).
+inline kernels::RoutingInputs routing_inputs(const RouterConfig& cfg, const BackwardArgs& a) {
+  kernels::RoutingInputs in;
+  const bool all = a.scores.data != nullptr;
+  const DeviceInput& scores = all ? a.scores : a.topk_scores;
+  in.idx = a.topk_idx.data;
+  in.scores = scores.data;
+  in.grad = a.grad_topk_weights.data;
+  in.scores_stride = int(all ? cfg.n_routed_experts : cfg.num_experts_per_tok);
+  in.idx_i64 = a.topk_idx.dtype == DType::kI64;
+  in.scores_all = all;
+  in.scores_bf16 = scores.dtype == DType::kBF16;
+  in.grad_bf16 = a.grad_topk_weights.dtype == DType::kBF16;
+  return in;
+}
+
+// The [T, K] routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as
+// 16-byte vectors; the scores of all experts are gathered one by one); the API asks only
+// element alignment, which the any-K kernels take.
 inline bool routing_rows_aligned16(const BackwardArgs& a) {
   return ((reinterpret_cast<uintptr_t>(a.topk_idx.data) |
            reinterpret_cast<uintptr_t>(a.topk_scores.data) |

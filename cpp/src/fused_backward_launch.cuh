@@ -59,10 +59,10 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   typename K::P p = fused_backward_impl::make_params<kExperts, kTopK, kTileH>(
       reinterpret_cast<const Elem*>(a.x.data), reinterpret_cast<Elem*>(a.grad_x.data), H, T);
   p.w = reinterpret_cast<const Elem*>(a.w.data);
-  p.topk_idx = a.topk_idx.data;
-  p.topk_scores = a.topk_scores.data;
-  p.grad_topk_weights = a.grad_topk_weights.data;
+  p.routing = routing_inputs(cfg, a);
   p.grad_w = a.grad_w.data;
+  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
+  p.torch_bf16 = a.precision == Precision::kTorchBf16;
   p.tickets = reinterpret_cast<int*>(a.workspace.data);
   p.readers = p.tickets + kMaxCounterSlices;
   p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);

@@ -24,7 +24,7 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
   if (a.tokens == 0) {
     if (a.accumulate_grad_w) return Status::kSuccess;
     return detail::cuda_status(
-        cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * sizeof(float), stream));
+        cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * dtype_bytes(a.grad_w.dtype), stream));
   }
 
   if (detail::fused_backward_supported(cfg))
@@ -33,11 +33,11 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
   kernels::BackwardParams p{};
   p.x = reinterpret_cast<const __nv_bfloat16*>(a.x.data);
   p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
-  p.topk_idx = a.topk_idx.data;
-  p.topk_scores = a.topk_scores.data;
-  p.grad_topk_weights = a.grad_topk_weights.data;
+  p.routing = detail::routing_inputs(cfg, a);
   p.grad_x = reinterpret_cast<__nv_bfloat16*>(a.grad_x.data);
   p.grad_w = a.grad_w.data;
+  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
+  p.torch_bf16 = a.precision == Precision::kTorchBf16;
   p.dense_grad = reinterpret_cast<float*>(a.workspace.data + detail::kTicketBytes);
   p.tokens = a.tokens;
   p.hidden = int(H);

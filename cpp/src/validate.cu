@@ -149,18 +149,38 @@ Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStr
                          int* device) {
   MOE_CHECK(validate_config(cfg));
   MOE_CHECK(check_tokens(cfg, a.tokens));
-  if (a.precision != Precision::kDefault && a.precision != Precision::kPrecise)
+  if (a.precision != Precision::kDefault && a.precision != Precision::kPrecise &&
+      a.precision != Precision::kTorchBf16)
     return Status::kInvalidConfig;
+  // Dtypes: indices int32 or int64; scores and gradients f32 or bf16; grad_w f32, or bf16
+  // written (a bf16 sum would round at every call).
+  const auto is_float = [](DType t) { return t == DType::kF32 || t == DType::kBF16; };
+  if (a.topk_idx.dtype != DType::kI32 && a.topk_idx.dtype != DType::kI64)
+    return Status::kInvalidConfig;
+  if (!is_float(a.topk_scores.dtype) || !is_float(a.scores.dtype) ||
+      !is_float(a.grad_topk_weights.dtype) || !is_float(a.grad_w.dtype))
+    return Status::kInvalidConfig;
+  // bf16 grad_w: written, never accumulated, and not in precise mode (fp32-accurate grad_w,
+  // which may take a second launch that adds into it).
+  if (a.grad_w.dtype == DType::kBF16 &&
+      (a.accumulate_grad_w || a.precision == Precision::kPrecise))
+    return Status::kUnsupported;
   const int64_t T = a.tokens, H = cfg.hidden_size, E = cfg.n_routed_experts,
                 K = cfg.num_experts_per_tok;
+  // Exactly one of the scores' two forms (both null: the chosen ones are missing).
+  const bool all_scores = a.scores.data != nullptr;
+  if (all_scores && a.topk_scores.data != nullptr) return Status::kInvalidConfig;
+  const auto elem = [](const DeviceInput& b) { return dtype_bytes(b.dtype); };
   const Buffer buffers[] = {
       {a.x.data, a.x.len, T * H, 16},
       {a.w.data, a.w.len, T ? E * H : 0, 16},
-      {a.topk_idx.data, a.topk_idx.len, T * K, 4},
-      {a.topk_scores.data, a.topk_scores.len, T * K, 4},
-      {a.grad_topk_weights.data, a.grad_topk_weights.len, T * K, 4},
+      {a.topk_idx.data, a.topk_idx.len, T * K, elem(a.topk_idx)},
+      {a.topk_scores.data, a.topk_scores.len, all_scores ? 0 : T * K, elem(a.topk_scores)},
+      {a.scores.data, a.scores.len, all_scores ? T * E : 0, elem(a.scores)},
+      {a.grad_topk_weights.data, a.grad_topk_weights.len, T * K, elem(a.grad_topk_weights)},
       {a.grad_x.data, a.grad_x.len, T * H, 16},
-      {a.grad_w.data, a.grad_w.len, E * H, 16},
+      // (16-byte f32 vectors, 8-byte bf16 ones)
+      {a.grad_w.data, a.grad_w.len, E * H, 4 * dtype_bytes(a.grad_w.dtype)},
       {a.workspace.data, a.workspace.len, int64_t(backward_workspace_bytes(cfg, T)), 256},
   };
   return check_all(buffers, stream, device);

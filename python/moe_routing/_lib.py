@@ -1,7 +1,7 @@
 """ctypes binding of the stable C ABI (``cpp/include/moe_routing/moe_routing.h``).
 
 The structs below mirror the header field by field; their sizes are asserted against the
-header's ``static_assert``s (56, 112 and 152 bytes). The library is found and loaded on first
+header's ``static_assert``s (56, 112 and 184 bytes). The library is found and loaded on first
 use (:func:`load`), so importing the package needs neither the library nor a GPU.
 
 Lookup order:
@@ -47,6 +47,14 @@ UNSUPPORTED = 8
 # Backward precision (MOE_ROUTING_PRECISION_*).
 PRECISION_DEFAULT = 0
 PRECISION_PRECISE = 1
+PRECISION_TORCH_BF16 = 2
+
+# Dtypes of the backward's buffers that come in several (MOE_ROUTING_DTYPE_*).
+DTYPE_DECLARED = 0
+DTYPE_F32 = 1
+DTYPE_BF16 = 2
+DTYPE_I32 = 3
+DTYPE_I64 = 4
 
 LIB_NAME = "libmoe_routing.so"
 ENV_VAR = "MOE_ROUTING_LIB"
@@ -91,7 +99,7 @@ class MoeRoutingForwardArgs(ctypes.Structure):
 
 
 class MoeRoutingBackwardArgs(ctypes.Structure):
-    """``moe_routing_backward_args`` (152 bytes)."""
+    """``moe_routing_backward_args`` (184 bytes; the first 152 are the first release's)."""
 
     _fields_ = [
         ("struct_size", c_uint32),
@@ -115,6 +123,12 @@ class MoeRoutingBackwardArgs(ctypes.Structure):
         ("workspace_bytes", c_int64),
         ("accumulate_grad_w", c_int32),
         ("reserved", c_uint32),
+        ("scores", c_void_p),
+        ("scores_len", c_int64),
+        ("topk_idx_dtype", c_int32),
+        ("scores_dtype", c_int32),
+        ("grad_topk_weights_dtype", c_int32),
+        ("grad_w_dtype", c_int32),
     ]
 
 
@@ -126,7 +140,8 @@ assert MoeRoutingConfig.routed_scaling_factor.offset == 48, "moe_routing_config 
 assert ctypes.sizeof(MoeRoutingForwardArgs) == 112, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.tokens.offset == 8, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.topk_scores_len.offset == 104, "moe_routing_forward_args layout"
-assert ctypes.sizeof(MoeRoutingBackwardArgs) == 152, "moe_routing_backward_args layout"
+assert ctypes.sizeof(MoeRoutingBackwardArgs) == 184, "moe_routing_backward_args layout"
+assert MoeRoutingBackwardArgs.scores.offset == 152, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.tokens.offset == 8, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.workspace_bytes.offset == 136, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.accumulate_grad_w.offset == 144, "moe_routing_backward_args layout"

@@ -24,8 +24,9 @@
  * which will keep accepting the sizes of earlier versions. This version accepts the sizes
  * declared here and, for moe_routing_forward_args, also MOE_ROUTING_FORWARD_ARGS_SIZE_V1 (the
  * struct as first released, before its optional outputs were appended: they are then off);
- * it answers
- * MOE_ROUTING_INVALID_CONFIG to any other size. Fields named `reserved` must be zero.
+ * for moe_routing_backward_args also MOE_ROUTING_BACKWARD_ARGS_SIZE_V1 (before its dtypes were
+ * appended: the first release's dtypes then); it answers MOE_ROUTING_INVALID_CONFIG to any
+ * other size. Fields named `reserved` must be zero.
  *
  * Backward workspace: moe_routing_backward_workspace_bytes() bytes of device memory, aligned
  * to 256 bytes, zeroed once when allocated (cudaMemset). The backward leaves it ready for the
@@ -66,6 +67,15 @@
 /* Backward precision: the values of moe_routing::Precision. */
 #define MOE_ROUTING_PRECISION_DEFAULT 0 /* routing gradient as bf16 into the tensor cores */
 #define MOE_ROUTING_PRECISION_PRECISE 1 /* fp32-accurate grad_w; grad_x to bf16 rounding */
+#define MOE_ROUTING_PRECISION_TORCH_BF16 2 /* routing gradient rounded as eager bf16 PyTorch */
+
+/* Element types of the backward's buffers that come in several (PyTorch's dtypes, read in
+ * place). DECLARED (0): the type the field is declared with. */
+#define MOE_ROUTING_DTYPE_DECLARED 0
+#define MOE_ROUTING_DTYPE_F32 1
+#define MOE_ROUTING_DTYPE_BF16 2 /* as uint16 bits */
+#define MOE_ROUTING_DTYPE_I32 3
+#define MOE_ROUTING_DTYPE_I64 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -112,7 +122,10 @@ typedef struct moe_routing_forward_args {
   int64_t expert_counts_len;
 } moe_routing_forward_args;
 
-/* Backward inputs and outputs (moe_routing::BackwardArgs). 152 bytes. */
+/* Backward inputs and outputs (moe_routing::BackwardArgs). 184 bytes; its first 152 bytes are
+ * the struct as first released (MOE_ROUTING_BACKWARD_ARGS_SIZE_V1), still accepted. A field's
+ * dtype other than the declared one (appended fields) makes its pointer one to that type. */
+#define MOE_ROUTING_BACKWARD_ARGS_SIZE_V1 152
 typedef struct moe_routing_backward_args {
   uint32_t struct_size;      /* sizeof(moe_routing_backward_args) */
   int32_t precision;         /* MOE_ROUTING_PRECISION_* */
@@ -121,9 +134,9 @@ typedef struct moe_routing_backward_args {
   int64_t x_len;
   const uint16_t* w;
   int64_t w_len;
-  const int32_t* topk_idx;   /* from the forward */
+  const int32_t* topk_idx;   /* from the forward (topk_idx_dtype) */
   int64_t topk_idx_len;
-  const float* topk_scores;  /* from the forward */
+  const float* topk_scores;  /* from the forward; NULL when `scores` is given */
   int64_t topk_scores_len;
   const float* grad_topk_weights;
   int64_t grad_topk_weights_len;
@@ -135,6 +148,15 @@ typedef struct moe_routing_backward_args {
   int64_t workspace_bytes;
   int32_t accumulate_grad_w; /* 0: grad_w = result; 1: grad_w += result */
   uint32_t reserved;         /* 0 */
+  /* Appended after the first release. */
+  const void* scores;        /* [T, E] all sigmoid scores, read at the chosen experts: instead
+                                of topk_scores (exactly one of the two); scores_dtype */
+  int64_t scores_len;
+  int32_t topk_idx_dtype;    /* DECLARED (int32) or I64 */
+  int32_t scores_dtype;      /* of topk_scores or scores: DECLARED (f32) or BF16 */
+  int32_t grad_topk_weights_dtype; /* DECLARED (f32) or BF16 */
+  int32_t grad_w_dtype;      /* DECLARED (f32) or BF16 (written: not with accumulate_grad_w
+                                nor PRECISE) */
 } moe_routing_backward_args;
 
 /* MOE_ROUTING_ABI_VERSION of the library linked. */

@@ -13,10 +13,15 @@
 //   scores       [T, E]  f32    optional: all sigmoid scores (auxiliary load-balancing loss)
 //   expert_counts [E]    i32    optional: tokens routed to each expert (bias update)
 //   grad_topk_weights [T, K] f32, grad_x [T, H] bf16, grad_w [E, H] f32
+//
+// The backward also reads the tensors as PyTorch holds them, with no conversion kernel: int64
+// topk_idx, the scores of all experts [T, E] (of which it reads the K chosen), bf16 scores and
+// gradients, and writes grad_w as bf16 (BackwardArgs).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -80,17 +85,61 @@ struct ForwardArgs {
 enum class Precision : int32_t {
   kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation
   kPrecise = 1,  // fp32-accurate grad_w; grad_x within its bf16 output rounding
+  // The routing gradient rounded to bf16 after every elementwise step, in the order of the
+  // eager bf16 PyTorch composition (README: numerics), so that results match that composition
+  // up to the GEMMs' accumulation order. Less exact than kDefault.
+  kTorchBf16 = 2,
 };
+
+// Element type of a buffer that may come in more than one.
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kI32 = 2, kI64 = 3 };
+
+template <class T>
+constexpr DType dtype_of() {
+  using U = std::remove_cv_t<T>;
+  static_assert(std::is_same_v<U, float> || std::is_same_v<U, uint16_t> ||
+                    std::is_same_v<U, int32_t> || std::is_same_v<U, int64_t>,
+                "float, uint16_t (bf16 bits), int32_t or int64_t");
+  if constexpr (std::is_same_v<U, float>) return DType::kF32;
+  else if constexpr (std::is_same_v<U, uint16_t>) return DType::kBF16;
+  else if constexpr (std::is_same_v<U, int32_t>) return DType::kI32;
+  else return DType::kI64;
+}
+
+constexpr size_t dtype_bytes(DType t) {
+  return t == DType::kBF16 ? 2 : t == DType::kI64 ? 8 : 4;
+}
+
+// A device buffer whose element type is given at run time, with its capacity in elements.
+// Made from a typed pointer or DeviceSpan, which names the type (uint16_t: bf16 bits).
+template <class Void>  // const void (inputs) or void (outputs)
+struct DeviceTensor {
+  Void* data = nullptr;
+  int64_t len = 0;
+  DType dtype = DType::kF32;
+  DeviceTensor() = default;
+  DeviceTensor(Void* d, int64_t n, DType t) : data(d), len(n), dtype(t) {}
+  template <class T>
+  DeviceTensor(T* d, int64_t n) : data(d), len(n), dtype(dtype_of<T>()) {}
+  template <class T>
+  DeviceTensor(DeviceSpan<T> s) : DeviceTensor(s.data, s.len) {}
+};
+using DeviceInput = DeviceTensor<const void>;
+using DeviceOutput = DeviceTensor<void>;
 
 struct BackwardArgs {
   int64_t tokens = 0;
   DeviceSpan<const uint16_t> x;
   DeviceSpan<const uint16_t> w;
-  DeviceSpan<const int32_t> topk_idx;
-  DeviceSpan<const float> topk_scores;
-  DeviceSpan<const float> grad_topk_weights;
-  DeviceSpan<uint16_t> grad_x;  // bf16 bits
-  DeviceSpan<float> grad_w;
+  DeviceInput topk_idx;           // [T, K] kI32 or kI64
+  // The sigmoid scores: at the chosen experts [T, K] (the forward's topk_scores), or of all
+  // experts [T, E] (`scores`), of which the K chosen are read. Exactly one of the two; kF32 or
+  // kBF16.
+  DeviceInput topk_scores;
+  DeviceInput scores;
+  DeviceInput grad_topk_weights;  // [T, K] kF32 or kBF16
+  DeviceSpan<uint16_t> grad_x;    // bf16 bits
+  DeviceOutput grad_w;            // [E, H] kF32, or kBF16 (written, never accumulated)
   bool accumulate_grad_w = false;  // grad_w += result (main-grad pattern) instead of =
   Precision precision = Precision::kDefault;
   DeviceSpan<uint8_t> workspace;  // backward_workspace_bytes() bytes, 256-byte aligned

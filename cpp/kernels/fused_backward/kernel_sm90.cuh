@@ -44,10 +44,8 @@ struct Params {
   TmaX tma_x;    // x as (H, T)
   TmaGX tma_gx;  // grad_x as (H, T), stored in boxes of 64 h × kTileT t
   const cutlass::bfloat16_t* w = nullptr;  // [E, H]
-  const int32_t* topk_idx = nullptr;
-  const float* topk_scores = nullptr;
-  const float* grad_topk_weights = nullptr;
-  float* grad_w = nullptr;    // [E, H]
+  kernels::RoutingInputs routing{};  // indices, scores and their gradients, in their dtypes
+  void* grad_w = nullptr;     // [E, H] f32, or bf16 (grad_w_bf16: written, never accumulated)
   float* partials = nullptr;  // [ctas + slices][E][kTileH]
   // Per slice, zero between launches: partials written (kLastCta, kSpread); CTAs done
   // reading them (kSpread).
@@ -58,6 +56,8 @@ struct Params {
   float scale = 1.0f;
   bool norm = true;
   bool accumulate = false;
+  bool grad_w_bf16 = false;
+  bool torch_bf16 = false;  // Precision::kTorchBf16: G rounded as eager PyTorch does
   // Sweeps over the CTA's units (kPassG, kPassResidual; both: the residual's first, then G's
   // over the same units again, and the host gives each CTA one segment).
   uint32_t passes = kPassG;
@@ -123,6 +123,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   const bool g_pass = (p.passes & kPassG) != 0, res_pass = (p.passes & kPassResidual) != 0;
   const int total = count * (int(g_pass) + int(res_pass));
   auto residual_at = [&](int n) { return res_pass && (!g_pass || n < count); };
+  auto rounding_at = [&](int n) {
+    return residual_at(n) ? GradRounding::kResidual
+                          : p.torch_bf16 ? GradRounding::kTorchBf16 : GradRounding::kBf16;
+  };
   const int tiles = int(sched.tiles);  // < 2^31 / kTileT
 
   Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
@@ -209,10 +213,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     auto prefetch_next = [&] {         // units in order
       if (pf_next < total) {
         if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
-        prefetch_token_routing<Cfg::kTopK, Cfg::kAnyK>(p.topk_idx, p.topk_scores,
-                                                       p.grad_topk_weights,
-                                                       int64_t(pf_unit.tile) * kTileT + thread,
-                                                       p.tokens, p.top_k);
+        prefetch_token_routing<Cfg::kTopK, Cfg::kAnyK>(
+            p.routing, int64_t(pf_unit.tile) * kTileT + thread, p.tokens, p.top_k);
         pf_unit.next(tiles);
         ++pf_next;
       }
@@ -226,14 +228,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         if (prefetch) prefetch_next();  // unit n + kPrefetch
       }
       if (n == count) g_unit = UnitCursor(unit0, tiles);
-      loaded.load(p.topk_idx, p.topk_scores, p.grad_topk_weights,
-                  int64_t(g_unit.tile) * kTileT + thread, p.tokens, p.top_k);
+      loaded.load(p.routing, int64_t(g_unit.tile) * kTileT + thread, p.tokens, p.top_k);
       g_unit.next(tiles);
     };
     PackedRow<Cfg::kTopK> row{};
     if (count > 0) {
       load_routing(0);
-      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, residual_at(0));
+      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, rounding_at(0));
       MOE_ROUTING_TRACE(thread == 0, 8);
     }
     for (int n = 0; n < total; ++n) {
@@ -247,7 +248,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       Barrier::arrive(&smem.g_full[s]);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
       if (n + 1 < total)
-        row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, residual_at(n + 1));
+        row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, rounding_at(n + 1));
     }
     if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
@@ -393,9 +394,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
 
   // Vector v of a slice of grad_w: row e = v / kVecsPerRow.
-  auto grad_w_vec = [&](int64_t slice, int v) {
-    return reinterpret_cast<float4*>(p.grad_w + (v / kVecsPerRow) * H + slice * kTileH +
-                                     v % kVecsPerRow * 4);
+  auto grad_w_at = [&](int64_t slice, int v) {  // its first element
+    return (v / kVecsPerRow) * H + slice * kTileH + v % kVecsPerRow * 4;
+  };
+  auto grad_w_vec = [&](int64_t slice, int v) {  // f32 grad_w
+    return reinterpret_cast<float4*>(static_cast<float*>(p.grad_w) + grad_w_at(slice, v));
+  };
+  // Vector v written: four floats, or four bf16 (8 bytes).
+  auto store_grad_w_vec = [&](int64_t slice, int v, float4 f) {
+    if (p.grad_w_bf16) {
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
+      __stcg(reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.grad_w) + grad_w_at(slice, v)),
+             make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                        *reinterpret_cast<const uint32_t*>(&hi)));
+    } else {
+      __stcg(grad_w_vec(slice, v), f);
+    }
   };
 
   // Vectors [v0, v1) of a slice of grad_w, summed over `sources` partials in source order
@@ -435,7 +449,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     CUTE_UNROLL
     for (int j = 0; j < kPer; ++j) {
       const int v = v0 + ct + 256 * j;
-      if (v < v1) __stcg(grad_w_vec(slice, v), sum[j]);
+      if (v < v1) store_grad_w_vec(slice, v, sum[j]);
     }
   };
   // Share `rank` of k (k >= 2) of a slice, summed over the slice's k partials: as many sources
@@ -455,12 +469,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // kTileH = 64 kernel once did, changed this kernel's register allocation and slowed its
   // main loop by 4% at T = 32768.)
   auto write_grad_w = [&](int64_t slice) {
-    Tensor gW = make_tensor(make_gmem_ptr(p.grad_w + slice * kTileH),
-                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
-                                        make_stride(_1{}, H)));  // (h, e)
-    Tensor tWgW = thr_w.partition_C(gW);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+    const auto slice_w = make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
+                                     make_stride(_1{}, H));  // (h, e)
+    if (p.grad_w_bf16) {
+      Tensor tWgW = thr_w.partition_C(make_tensor(
+          make_gmem_ptr(static_cast<Elem*>(p.grad_w) + slice * kTileH), slice_w));
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = Elem(acc_w(i));
+    } else {
+      Tensor tWgW = thr_w.partition_C(make_tensor(
+          make_gmem_ptr(static_cast<float*>(p.grad_w) + slice * kTileH), slice_w));
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_w); ++i)
+        tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
+    }
   };
   // grad_w of a part of a slice, as this CTA's partial of it.
   auto write_partial = [&](int64_t slice) {

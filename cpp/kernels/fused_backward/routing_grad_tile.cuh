@@ -12,46 +12,88 @@
 
 #include <cute/tensor.hpp>
 
+#include "kernels/routing_inputs.cuh"
+
 namespace moe_routing::kernels::fused_backward {
 
 // One token's routing inputs, held in registers: the loads are issued before the builder
 // waits for a free stage, so that their latency hides behind the wait. kTopK slots per token:
-// K = kTopK, whose rows load as 16-byte vectors; or (kAnyK) any K <= kTopK given at run time,
-// loaded element by element (a row of K 4-byte values need not be 16-byte aligned), the
-// unused slots holding expert -1 (never stored) and score and gradient 0 (adding nothing).
+// K = kTopK, whose [T, K] rows load as 16-byte vectors (any dtype: a row of 8 is 16, 32 or 64
+// bytes); or (kAnyK) any K <= kTopK given at run time, loaded element by element (a row need
+// not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score and
+// gradient 0 (adding nothing). The scores of all experts ([T, E]) are gathered at the chosen
+// ones once the indices are in.
 template <int kTopK, bool kAnyK = false>
 struct TokenRouting {
-  static_assert(kTopK % 4 == 0, "slots as 16-byte vectors");
-  int4 idx[kTopK / 4];
-  float4 score[kTopK / 4];
-  float4 grad[kTopK / 4];
+  static_assert(kTopK % 8 == 0 || kAnyK, "fixed K: rows of whole 16-byte vectors in every dtype");
+  int idx[kTopK];
+  float score[kTopK];
+  float grad[kTopK];
   bool valid;
 
-  __device__ __forceinline__ void load(const int32_t* __restrict__ topk_idx,
-                                       const float* __restrict__ topk_scores,
-                                       const float* __restrict__ grad_topk_w, int64_t t,
+  // n reals of row `row` (16-byte aligned) as 16-byte vectors.
+  template <int n>
+  __device__ __forceinline__ static void load_reals(const void* base, bool bf16, int64_t row,
+                                                    float (&out)[n]) {
+    if (bf16) {
+      const uint4* v = static_cast<const uint4*>(base) + row * n / 8;
+#pragma unroll
+      for (int i = 0; i < n / 8; ++i) {
+        const uint4 u = __ldg(v + i);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(h[j]);
+          out[8 * i + 2 * j] = f.x, out[8 * i + 2 * j + 1] = f.y;
+        }
+      }
+    } else {
+      const float4* v = static_cast<const float4*>(base) + row * n / 4;
+#pragma unroll
+      for (int i = 0; i < n / 4; ++i) {
+        const float4 f = __ldg(v + i);
+        out[4 * i] = f.x, out[4 * i + 1] = f.y, out[4 * i + 2] = f.z, out[4 * i + 3] = f.w;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
                                        int64_t tokens, int top_k) {
     valid = t < tokens;
     if (!valid) return;
     if constexpr (kAnyK) {
-      int* e = reinterpret_cast<int*>(idx);
-      float* s = reinterpret_cast<float*>(score);
-      float* g = reinterpret_cast<float*>(grad);
       const int64_t row = t * top_k;
 #pragma unroll
       for (int k = 0; k < kTopK; ++k) {
         const bool used = k < top_k;
-        e[k] = used ? __ldg(topk_idx + row + k) : -1;
-        s[k] = used ? __ldg(topk_scores + row + k) : 0.0f;
-        g[k] = used ? __ldg(grad_topk_w + row + k) : 0.0f;
+        idx[k] = used ? kernels::load_index(in, row + k) : -1;
+        grad[k] = used ? kernels::load_real(in.grad, in.grad_bf16, row + k) : 0.0f;
       }
-    } else {
-      const int64_t row = t * kTopK / 4;  // in 16-byte vectors
 #pragma unroll
-      for (int v = 0; v < kTopK / 4; ++v) {
-        idx[v] = __ldg(reinterpret_cast<const int4*>(topk_idx) + row + v);
-        score[v] = __ldg(reinterpret_cast<const float4*>(topk_scores) + row + v);
-        grad[v] = __ldg(reinterpret_cast<const float4*>(grad_topk_w) + row + v);
+      for (int k = 0; k < kTopK; ++k)
+        score[k] = k < top_k ? kernels::load_score(in, t, row + k, idx[k]) : 0.0f;
+    } else {
+      if (in.idx_i64) {
+        const longlong2* v = static_cast<const longlong2*>(in.idx) + t * kTopK / 2;
+#pragma unroll
+        for (int i = 0; i < kTopK / 2; ++i) {
+          const longlong2 e = __ldg(v + i);
+          idx[2 * i] = kernels::narrow_index(e.x), idx[2 * i + 1] = kernels::narrow_index(e.y);
+        }
+      } else {
+        const int4* v = static_cast<const int4*>(in.idx) + t * kTopK / 4;
+#pragma unroll
+        for (int i = 0; i < kTopK / 4; ++i) {
+          const int4 e = __ldg(v + i);
+          idx[4 * i] = e.x, idx[4 * i + 1] = e.y, idx[4 * i + 2] = e.z, idx[4 * i + 3] = e.w;
+        }
+      }
+      load_reals(in.grad, in.grad_bf16, t, grad);
+      if (in.scores_all) {
+#pragma unroll
+        for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
+      } else {
+        load_reals(in.scores, in.scores_bf16, t, score);
       }
     }
   }
@@ -64,29 +106,25 @@ __device__ __forceinline__ void prefetch_l1_span(const void* first, const void* 
     asm volatile("prefetch.global.L1 [%0];" ::"l"(last));
 }
 
-// One token's routing inputs fetched into L1 ahead of their loads (TokenRouting::load then
-// finds them there; ld.global.nc goes through L1). A fixed K fetches the row's first line (its
-// rows are 16-byte aligned: a row of 8 crosses a line only where the array is not 32-byte
-// aligned, and the fetch is a hint). With kAnyK a row may cross a line anywhere, and the three
-// arrays need not be aligned alike: each row's last line is fetched where it differs.
+// Row t (`k` elements of `bytes` each) of an array, fetched into L1.
+__device__ __forceinline__ void prefetch_row(const void* base, int64_t t, int k, int bytes) {
+  const char* first = static_cast<const char*>(base) + t * k * bytes;
+  prefetch_l1_span(first, first + (k - 1) * bytes);
+}
+
+// One token's [T, K] routing inputs fetched into L1 ahead of their loads (TokenRouting::load
+// then finds them there; ld.global.nc goes through L1). A row may cross a line, and the arrays
+// need not be aligned alike: each row's last line is fetched where it differs from its first.
+// (The scores of all experts are gathered where the indices point: not fetched.)
 template <int kTopK, bool kAnyK = false>
-__device__ __forceinline__ void prefetch_token_routing(const int32_t* topk_idx,
-                                                       const float* topk_scores,
-                                                       const float* grad_topk_w, int64_t t,
-                                                       int64_t tokens, int top_k) {
-  static_assert(kTopK * 4 <= 128, "a row spans at most two lines");
+__device__ __forceinline__ void prefetch_token_routing(const kernels::RoutingInputs& in,
+                                                       int64_t t, int64_t tokens, int top_k) {
+  static_assert(kTopK * 8 <= 128, "a row spans at most two lines");
   if (t >= tokens) return;
-  if constexpr (kAnyK) {
-    const int64_t first = t * top_k, last = first + top_k - 1;
-    prefetch_l1_span(topk_idx + first, topk_idx + last);
-    prefetch_l1_span(topk_scores + first, topk_scores + last);
-    prefetch_l1_span(grad_topk_w + first, grad_topk_w + last);
-  } else {
-    const int64_t first = t * kTopK;
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_idx + first));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(topk_scores + first));
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(grad_topk_w + first));
-  }
+  const int k = kAnyK ? top_k : kTopK;
+  prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
+  prefetch_row(in.grad, t, k, in.grad_bf16 ? 2 : 4);
+  if (!in.scores_all) prefetch_row(in.scores, t, k, in.scores_bf16 ? 2 : 4);
 }
 
 __device__ __forceinline__ void st_shared_b16(uint32_t addr, uint16_t bits) {
@@ -119,36 +157,57 @@ struct PackedRow {
   uint32_t valid;             // bit k: expert k is stored
 };
 
+// How pack_routing_grad_row computes a row's routing gradients.
+enum class GradRounding : int {
+  kBf16,       // in fp32, rounded to bf16 once
+  kResidual,   // what that rounding leaves out, G - bf16(G) (exact in fp32), rounded to bf16,
+               // so that bf16(G) + residual is G to ~2^-18 of it (precise mode's second sweep)
+  kTorchBf16,  // every step rounded to bf16 as eager PyTorch does (routing_inputs.cuh)
+};
+
 // The routing gradients of one token: scaling, normalization and sigmoid gradients, rounded
-// to bf16; `residual`: what that rounding leaves out, G - bf16(G) (exact in fp32), rounded to
-// bf16, so that bf16(G) + residual is G to ~2^-18 of it. Indices outside [0, E) contribute
-// nothing.
+// to bf16 as `rounding` says. Indices outside [0, E) contribute nothing.
 template <int kExperts, int kTopK, bool kAnyK>
 __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
-    const TokenRouting<kTopK, kAnyK>& in, float scale, bool norm, bool residual) {
+    const TokenRouting<kTopK, kAnyK>& in, float scale, bool norm, GradRounding rounding) {
   PackedRow<kTopK> out{};
   if (!in.valid) return out;
-  const float* s = reinterpret_cast<const float*>(in.score);
-  const float* g = reinterpret_cast<const float*>(in.grad);
-  const int* e = reinterpret_cast<const int*>(in.idx);
-  float sum_s = 0.0f, dot = 0.0f;
+  const float* s = in.score;
+  const float* g = in.grad;
+  const int* e = in.idx;
+  float v[kTopK];
+  if (rounding == GradRounding::kTorchBf16) {
+    float sb[kTopK], gs[kTopK];
+    float sum_s = 0.0f, dot = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kTopK; ++k) {
-    sum_s += s[k];
-    dot = fmaf(g[k], s[k], dot);
+    for (int k = 0; k < kTopK; ++k) sb[k] = kernels::bf16_round(s[k]), sum_s += sb[k];
+    const float S = kernels::torch_normalizer(sum_s);
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      gs[k] = kernels::torch_scaled(g[k], scale);
+      dot += kernels::torch_product(gs[k], sb[k], S);
+    }
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) v[k] = kernels::torch_logit_grad(gs[k], dot, sb[k], S, norm);
+  } else {
+    float sum_s = 0.0f, dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      sum_s += s[k];
+      dot = fmaf(g[k], s[k], dot);
+    }
+    sum_s += 1e-20f;
+    const float a = scale / sum_s, b = dot / sum_s;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      const float grad_s = norm ? a * (g[k] - b) : scale * g[k];
+      v[k] = grad_s * s[k] * (1.0f - s[k]);
+      if (rounding == GradRounding::kResidual) v[k] -= kernels::bf16_round(v[k]);
+    }
   }
-  sum_s += 1e-20f;
-  const float a = scale / sum_s, b = dot / sum_s;
 #pragma unroll
   for (int k = 0; k < kTopK; k += 2) {
-    float v[2];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float grad_s = norm ? a * (g[k + j] - b) : scale * g[k + j];
-      v[j] = grad_s * s[k + j] * (1.0f - s[k + j]);
-      if (residual) v[j] -= __bfloat162float(__float2bfloat16_rn(v[j]));
-    }
-    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[0], v[1]);
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[k], v[k + 1]);
     out.grads[k / 2] = *reinterpret_cast<const uint32_t*>(&pair);
   }
 #pragma unroll
