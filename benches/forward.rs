@@ -5,7 +5,7 @@
 //!     cargo bench --bench forward [-- [--filter NAME] [--json PATH] [--into PATH]]
 //!     bench-forward --bench [--json PATH] [--into PATH] [--filter NAME]
 //!
-//! Timing as in `benches/backward.rs` (and `../shared/bench/README.md`): CUDA events around
+//! Timing as the back-to-back figures of `benches/backward.rs`: CUDA events around
 //! many back-to-back calls replayed from a CUDA graph (`MOE_ROUTING_BENCH_EAGER=1`: launched one
 //! by one), median of several rounds, after warm-up, rotating among enough input sets (>= 2x
 //! the 50 MB L2) that no call finds the previous call's data in cache. Before
@@ -21,13 +21,13 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    case_json, gemm, gemm_dims, input_sets, open_session, parse_args, results_json, show,
-    time_calls, write_json, Figures, Means, Operand, Result, Timing,
+    case_json, gemm, gemm_dims, input_sets, load_cases, open_session, parse_args, results_json,
+    show, time_calls, write_json, Figures, Means, Operand, Result, Timing,
 };
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_routing::suite::Case;
+use moe_routing::suite::{self, Case};
 use moe_routing::testing::{Inputs, Rng};
 use moe_routing::{Router, Routing};
 
@@ -55,10 +55,11 @@ fn run() -> Result<()> {
         "usage: bench-forward [--json PATH] [--into PATH] [--filter NAME]\n\
          Other flags (such as cargo's --bench) are ignored.",
     )?;
-    let Some(session) = open_session(&args)? else {
+    let Some(session) = open_session()? else {
         return Ok(());
     };
-    let (cases, stream) = (&session.cases, &session.stream);
+    let cases = &load_cases(&suite::default_path(), args.filter.as_deref())?;
+    let stream = &session.stream;
     print_header();
     let mut results = Vec::with_capacity(cases.len());
     for (i, case) in cases.iter().enumerate() {

@@ -83,5 +83,16 @@ pub(crate) mod ffi {
             topk_scores: u64,
             stream: u64,
         ) -> i32;
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn baseline_copy(
+            input: u64,
+            output: u64,
+            read_bytes: i64,
+            write_bytes: i64,
+            ctas_per_sm: i32,
+            streaming_loads: bool,
+            streaming_stores: bool,
+            stream: u64,
+        ) -> i32;
     }
 }

@@ -476,4 +476,58 @@ impl Router {
         drop(g);
         Status::from_code(code).into_result(|| "baseline routing from logits".into())
     }
+
+    /// A copy with no compute (for benchmarks: the ceiling of a case's bytes, and, with
+    /// `read_bytes` 0, a write that flushes L2): 16-byte vector i is read from `input` where
+    /// i < ceil(read_bytes / 16) and written to `output` where i < ceil(write_bytes / 16), the
+    /// vector read or a nonzero one where none is. Both buffers must hold their byte counts
+    /// rounded up to 16. `ctas_per_sm` 0: one pass over a grid that covers every vector, else
+    /// grid-stride over that many CTAs of 256 threads per SM (at most 32); the `streaming_*`
+    /// flags give loads and stores the evict-first hint.
+    #[allow(clippy::too_many_arguments)]
+    pub fn baseline_copy<T>(
+        stream: &Arc<CudaStream>,
+        input: &impl DevicePtr<T>,
+        output: &mut impl DevicePtrMut<T>,
+        read_bytes: usize,
+        write_bytes: usize,
+        ctas_per_sm: u32,
+        streaming_loads: bool,
+        streaming_stores: bool,
+    ) -> Result<(), Error> {
+        let elem = std::mem::size_of::<T>();
+        need(
+            input.len() * elem,
+            read_bytes.div_ceil(16) * 16,
+            "copy input (bytes)",
+        )?;
+        need(
+            output.len() * elem,
+            write_bytes.div_ceil(16) * 16,
+            "copy output (bytes)",
+        )?;
+        if ctas_per_sm > 32 {
+            return Err(Error::invalid_shape(format!(
+                "{ctas_per_sm} CTAs per SM: at most 32"
+            )));
+        }
+        stream.context().bind_to_thread()?;
+        let mut g = Guards(Vec::with_capacity(2));
+        let (i, o) = (g.read(input, stream).ptr, g.write(output, stream).ptr);
+        // SAFETY: sizes checked above; guards keep the buffers alive across the launch.
+        let code = unsafe {
+            ffi::baseline_copy(
+                i,
+                o,
+                len_i64(read_bytes),
+                len_i64(write_bytes),
+                ctas_per_sm as i32,
+                streaming_loads,
+                streaming_stores,
+                stream.cu_stream() as u64,
+            )
+        };
+        drop(g);
+        Status::from_code(code).into_result(|| "baseline copy".into())
+    }
 }

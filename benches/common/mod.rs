@@ -1,6 +1,6 @@
 //! What the forward and backward benchmarks share: the command line, the suite and device
-//! setup, cuBLAS loading and GEMM calls, the timing method, the derived figures and the JSON
-//! helpers.
+//! setup, cuBLAS loading and GEMM calls, the timing methods (back-to-back, single calls, the
+//! copy ceiling), the derived figures and the JSON helpers.
 // Each benchmark is its own crate and uses only part of this module.
 #![allow(dead_code)]
 
@@ -19,9 +19,10 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys::{
     CUdeviceptr, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use moe_routing::suite::{self, Case};
-use moe_routing::{cuda_device_count, RouterConfig};
+use moe_routing::testing::Rng;
+use moe_routing::{cuda_device_count, Router, RouterConfig};
 
 pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
@@ -50,13 +51,16 @@ pub struct Args {
     pub json: PathBuf,
     pub into: Option<PathBuf>,
     pub filter: Option<String>,
+    /// `--suite`'s value, checked by the benchmark that has several.
+    pub suite: Option<String>,
 }
 
-/// `--json PATH`, `--filter NAME` (or a bare NAME, as `cargo bench -- NAME` passes it) and,
-/// where `accepts_into`, `--into PATH`; other flags (such as cargo's `--bench`) are ignored.
-/// The JSON path defaults to `$MOE_ROUTING_BENCH_JSON`, else `target/bench-<name>.json`.
+/// `--json PATH`, `--filter NAME` (or a bare NAME, as `cargo bench -- NAME` passes it),
+/// `--suite NAME` and, where `accepts_into`, `--into PATH`; other flags (such as cargo's
+/// `--bench`) are ignored. The JSON path defaults to `$MOE_ROUTING_BENCH_JSON`, else
+/// `target/bench-<name>.json`.
 pub fn parse_args(name: &str, accepts_into: bool, usage: &str) -> Result<Args> {
-    let (mut json, mut into, mut filter) = (None, None, None);
+    let (mut json, mut into, mut filter, mut suite) = (None, None, None, None);
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let (flag, inline) = match arg.split_once('=') {
@@ -73,6 +77,7 @@ pub fn parse_args(name: &str, accepts_into: bool, usage: &str) -> Result<Args> {
             "--json" => json = Some(PathBuf::from(value("--json")?)),
             "--into" if accepts_into => into = Some(PathBuf::from(value("--into")?)),
             "--filter" => filter = Some(value("--filter")?),
+            "--suite" => suite = Some(value("--suite")?),
             "-h" | "--help" => {
                 println!("{usage}");
                 std::process::exit(0);
@@ -84,32 +89,29 @@ pub fn parse_args(name: &str, accepts_into: bool, usage: &str) -> Result<Args> {
     let json = json
         .or_else(|| std::env::var_os("MOE_ROUTING_BENCH_JSON").map(PathBuf::from))
         .unwrap_or_else(|| PathBuf::from(format!("target/bench-{name}.json")));
-    Ok(Args { json, into, filter })
+    Ok(Args {
+        json,
+        into,
+        filter,
+        suite,
+    })
 }
 
 // ---------------------------------------------------------------------------------------
 // Setup and output
 
-/// The suite cases to time, the device's stream and name, and cuBLAS if it loads.
+/// The device's stream and name, and cuBLAS if it loads.
 pub struct Session {
-    pub cases: Vec<Case>,
     pub stream: Arc<CudaStream>,
     pub device: String,
     pub blas: Option<CudaBlas>,
 }
 
 /// `None` (with a message) where there is no CUDA device.
-pub fn open_session(args: &Args) -> Result<Option<Session>> {
+pub fn open_session() -> Result<Option<Session>> {
     if cuda_device_count() == 0 {
         println!("no CUDA device: benchmark skipped");
         return Ok(None);
-    }
-    let cases: Vec<Case> = suite::load(&suite::default_path())?
-        .into_iter()
-        .filter(|c| args.filter.as_deref().is_none_or(|f| c.name.contains(f)))
-        .collect();
-    if cases.is_empty() {
-        println!("no suite case matches the filter: nothing to time");
     }
     let ctx = CudaContext::new(0)?;
     // SAFETY: every buffer of a benchmark is allocated and used on the one stream below, so no
@@ -121,11 +123,22 @@ pub fn open_session(args: &Args) -> Result<Option<Session>> {
     println!("device: {device}");
     let blas = load_cublas(&stream);
     Ok(Some(Session {
-        cases,
         stream,
         device,
         blas,
     }))
+}
+
+/// The cases of the suite file at `path` whose names contain `filter`.
+pub fn load_cases(path: &Path, filter: Option<&str>) -> Result<Vec<Case>> {
+    let cases: Vec<Case> = suite::load(path)?
+        .into_iter()
+        .filter(|c| filter.is_none_or(|f| c.name.contains(f)))
+        .collect();
+    if cases.is_empty() {
+        println!("no case of {} matches the filter", path.display());
+    }
+    Ok(cases)
 }
 
 /// Writes `json` to `path`, creating its folder.
@@ -316,6 +329,223 @@ pub fn time_calls(
     })
 }
 
+// ---------------------------------------------------------------------------------------
+// Single calls
+
+/// Calls per single-call median.
+pub const SINGLE_CALLS: usize = 40;
+/// Bytes the flush before each single call writes: twice the H200's 50 MB L2.
+pub const FLUSH_BYTES: usize = MIN_ROTATED_BYTES as usize;
+/// Flushes queued before the first timed call: the host's head start (see
+/// [`time_single_calls`]).
+pub const HEAD_START_FLUSHES: usize = 8;
+
+/// What runs before each single call, as some other kernel runs before it in a training step:
+/// a kernel that writes [`FLUSH_BYTES`], evicting everything the call could find in L2.
+pub struct Flush {
+    /// Never read (the flush reads 0 bytes); the copy takes an input all the same.
+    none: CudaSlice<u64>,
+    buf: CudaSlice<u64>,
+}
+
+impl Flush {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
+        Ok(Self {
+            none: stream.alloc_zeros(2)?,
+            buf: stream.alloc_zeros(FLUSH_BYTES / 8)?,
+        })
+    }
+
+    /// Queues the flush on `stream`. Default (write-back) stores: streaming ones would be
+    /// evicted first and leave older lines in L2.
+    pub fn queue(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+        Router::baseline_copy(
+            stream,
+            &self.none,
+            &mut self.buf,
+            0,
+            FLUSH_BYTES,
+            0,
+            false,
+            false,
+        )?;
+        Ok(())
+    }
+}
+
+/// GPU time of `call(i)` (which uses input set `i % sets`) on its own, as a training step sees
+/// it: per call the flush, a CUDA event recorded once the flush is queued, the call and an end
+/// event; the median of [`SINGLE_CALLS`] calls' end − start, after warm-up (one call per set).
+///
+/// All calls are queued before any is waited for, behind [`HEAD_START_FLUSHES`] flushes: the
+/// host queues a flush and a call in less time than the GPU takes to run them (a flush alone
+/// is ~25 µs), so it stays ahead and the events time the GPU, not the host's launches.
+pub fn time_single_calls(
+    stream: &Arc<CudaStream>,
+    flush: &mut Flush,
+    sets: usize,
+    mut call: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    for i in 0..sets {
+        flush.queue(stream)?;
+        call(i)?;
+    }
+    stream.synchronize()?;
+    // Events made by cudarc default to CU_EVENT_DISABLE_TIMING, so ask for timing ones.
+    let ctx = stream.context();
+    let events = (0..2 * SINGLE_CALLS)
+        .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+        .collect::<Result<Vec<_>, _>>()?;
+    for _ in 0..HEAD_START_FLUSHES {
+        flush.queue(stream)?;
+    }
+    for (i, pair) in events.chunks(2).enumerate() {
+        flush.queue(stream)?;
+        pair[0].record(stream)?;
+        call(i)?;
+        pair[1].record(stream)?;
+    }
+    let mut us = events
+        .chunks(2)
+        .map(|pair| Ok(f64::from(pair[0].elapsed_ms(&pair[1])?) * 1e3))
+        .collect::<Result<Vec<f64>>>()?;
+    Ok(median(&mut us))
+}
+
+/// The median of `v` (the mean of the middle two for an even count); sorts `v`.
+pub fn median(v: &mut [f64]) -> f64 {
+    assert!(!v.is_empty(), "median of nothing");
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The single-call method, as the JSON's `single_method` says it.
+pub fn single_method() -> String {
+    format!(
+        "one call at a time: a kernel writing {} MB (L2 flush), a CUDA event recorded after it \
+         is queued, the call, an end event; median of {SINGLE_CALLS} calls' end - start, input \
+         sets rotated as in the back-to-back figures",
+        FLUSH_BYTES / (1024 * 1024)
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// Ceiling
+
+/// The fastest plain copy of a case's bytes, and which copy it was.
+#[derive(Clone, Debug)]
+pub struct Ceiling {
+    pub us: f64,
+    pub variant: String,
+}
+
+/// Copy kernels tried (as tools/ceiling tries them): CTAs of 256 threads per SM (0: one pass
+/// over a grid that covers every vector), streaming loads, streaming stores.
+pub const COPY_VARIANTS: [(u32, bool, bool); 12] = [
+    (0, true, true),
+    (0, false, true),
+    (0, false, false),
+    (2, true, true),
+    (2, false, true),
+    (2, false, false),
+    (4, true, true),
+    (4, false, true),
+    (4, false, false),
+    (8, true, true),
+    (8, false, true),
+    (8, false, false),
+];
+
+fn copy_variant_name((per_sm, load_cs, store_cs): (u32, bool, bool)) -> String {
+    let grid = match per_sm {
+        0 => "pass".to_string(),
+        n => format!("{n}/SM"),
+    };
+    let hints = match (load_cs, store_cs) {
+        (true, true) => "cs",
+        (false, true) => "ld",
+        (false, false) => "ld+st",
+        (true, false) => "cs-ld",
+    };
+    format!("{grid},{hints}")
+}
+
+/// The ceiling of a case that reads `read_bytes` and writes `write_bytes`: each of
+/// [`COPY_VARIANTS`] (vector i read where below the reads, written where below the writes) and
+/// a device-to-device memcpy of (R + W) / 2 bytes, timed as [`time_single_calls`] on input
+/// sets of random bits rotated as the case's are; the least of their medians.
+pub fn time_ceiling(
+    stream: &Arc<CudaStream>,
+    flush: &mut Flush,
+    read_bytes: f64,
+    write_bytes: f64,
+    seed: u64,
+) -> Result<Ceiling> {
+    let (reads, writes) = (read_bytes.ceil() as usize, write_bytes.ceil() as usize);
+    // Rounded down to 64 KB: tools/ceiling saw sizes of odd multiples of 16 bytes take a path
+    // 1.5-1.6x slower; the bytes less only make the ceiling more generous.
+    let half = (reads + writes) / 2 / 65536 * 65536;
+    let words = reads.max(writes).max(half).div_ceil(16) * 2; // whole 16-byte vectors
+    let sets = input_sets((reads + writes) as f64);
+    let mut rng = Rng::new(seed);
+    let bits: Vec<u64> = (0..words).map(|_| rng.next_u64()).collect();
+    let mut bufs = (0..sets)
+        .map(|_| Ok((stream.clone_htod(&bits)?, stream.alloc_zeros::<u64>(words)?)))
+        .collect::<Result<Vec<_>>>()?;
+    drop(bits);
+
+    let mut best = Ceiling {
+        us: f64::INFINITY,
+        variant: String::new(),
+    };
+    for variant in COPY_VARIANTS {
+        let (per_sm, load_cs, store_cs) = variant;
+        let us = time_single_calls(stream, flush, sets, |i| {
+            let (src, dst) = &mut bufs[i % sets];
+            Router::baseline_copy(stream, &*src, dst, reads, writes, per_sm, load_cs, store_cs)?;
+            Ok(())
+        })?;
+        if us < best.us {
+            best = Ceiling {
+                us,
+                variant: copy_variant_name(variant),
+            };
+        }
+    }
+    let us = time_single_calls(stream, flush, sets, |i| {
+        let (src, dst) = &mut bufs[i % sets];
+        stream.memcpy_dtod(&src.slice(..half / 8), &mut dst.slice_mut(..half / 8))?;
+        Ok(())
+    })?;
+    if us < best.us {
+        best = Ceiling {
+            us,
+            variant: "memcpy".into(),
+        };
+    }
+    Ok(best)
+}
+
+/// The ceiling's method, as the JSON's `ceiling_method` says it.
+pub fn ceiling_method() -> String {
+    format!(
+        "per case, the case's SOL bytes moved with no compute (read R, write W), timed as the \
+         single calls: the least median of {} copy kernels (16-byte vectors, 4 loads in flight \
+         per thread; one pass or grid-stride on 2, 4 or 8 CTAs of 256 threads per SM; \
+         streaming or default cache hints) and a device-to-device memcpy of (R + W) / 2 bytes; \
+         sources of random bits; `ceiling_variant` names the fastest",
+        COPY_VARIANTS.len()
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// Back-to-back method
+
 /// The timing method, as the JSON's `method` says it.
 pub fn method() -> String {
     format!(
@@ -429,6 +659,41 @@ pub fn json_num(v: Option<f64>) -> String {
     match v {
         Some(v) if v.is_finite() => format!("{v:.4}"),
         _ => "null".into(),
+    }
+}
+
+/// A JSON object written field by field, in order.
+#[derive(Default)]
+pub struct JsonObject(Vec<String>);
+
+impl JsonObject {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn str(mut self, key: &str, v: &str) -> Self {
+        self.0.push(format!("{}: {}", json_str(key), json_str(v)));
+        self
+    }
+    pub fn num(mut self, key: &str, v: Option<f64>) -> Self {
+        self.0.push(format!("{}: {}", json_str(key), json_num(v)));
+        self
+    }
+    pub fn int(mut self, key: &str, v: usize) -> Self {
+        self.0.push(format!("{}: {v}", json_str(key)));
+        self
+    }
+    /// `v` as written (an object or array already in JSON).
+    pub fn raw(mut self, key: &str, v: &str) -> Self {
+        self.0.push(format!("{}: {v}", json_str(key)));
+        self
+    }
+    /// The fields without the braces, to be framed by the caller.
+    pub fn fields(&self) -> String {
+        self.0.join(", ")
+    }
+    /// The object on one line.
+    pub fn line(&self) -> String {
+        format!("{{{}}}", self.fields())
     }
 }
 

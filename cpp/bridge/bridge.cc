@@ -118,4 +118,14 @@ int32_t baseline_route_from_logits(const Config& cfg, int64_t tokens, uint64_t l
   });
 }
 
+int32_t baseline_copy(uint64_t in, uint64_t out, int64_t read_bytes, int64_t write_bytes,
+                      int32_t ctas_per_sm, bool streaming_loads, bool streaming_stores,
+                      uint64_t stream) {
+  return guarded([&] {
+    return moe_routing::baseline::copy_bytes(
+        reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), read_bytes, write_bytes,
+        ctas_per_sm, streaming_loads, streaming_stores, reinterpret_cast<cudaStream_t>(stream));
+  });
+}
+
 }  // namespace moe_routing::bridge

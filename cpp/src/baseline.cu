@@ -1,7 +1,10 @@
-// The unfused baselines' non-GEMM steps, as a framework would run them around library GEMMs.
-// Used by the benchmarks.
+// The unfused baselines' non-GEMM steps, as a framework would run them around library GEMMs,
+// and a plain copy. Used by the benchmarks.
 //   backward: the dense routing gradient G [T, E] in bf16, before two GEMMs
 //   forward:  the routing from fp32 logits [T, E] (after the GEMM x·wᵀ)
+//   copy:     a case's bytes moved with no compute (the ceiling), or written alone (L2 flush)
+#include <algorithm>
+
 #include <cuda_bf16.h>
 
 #include "forward_params.h"
@@ -63,6 +66,47 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_from_logits(ForwardPar
   route_token_warp(p, t, score, choice, key, group_score, kept);
 }
 
+// The copy (tools/ceiling's kernel): 16-byte vectors, kCopyUnroll of them in flight per thread.
+constexpr int kCopyThreads = 256, kCopyUnroll = 4;
+
+// Cache hints: `.cs` (streaming, evict first) or the default.
+template <bool kStreaming>
+__device__ __forceinline__ uint4 load_vector(const uint4* p) {
+  return kStreaming ? __ldcs(p) : *p;
+}
+template <bool kStreaming>
+__device__ __forceinline__ void store_vector(uint4* p, uint4 v) {
+  if (kStreaming)
+    __stcs(p, v);
+  else
+    *p = v;
+}
+
+// Vectors [0, max(reads, writes)): vector i read from `in` where i < reads, written to `out`
+// where i < writes (the vector read, or one made of i where there is none, so that every store
+// depends on a load where there is one). Grid-stride; a grid that covers every vector at once
+// runs each thread's loop once.
+template <bool kLoadCs, bool kStoreCs>
+__global__ void __launch_bounds__(kCopyThreads) copy_vectors(const uint4* __restrict__ in,
+                                                             uint4* __restrict__ out,
+                                                             int64_t reads, int64_t writes) {
+  const int64_t n = reads > writes ? reads : writes;
+  for (int64_t base = int64_t(blockIdx.x) * kCopyThreads * kCopyUnroll + threadIdx.x; base < n;
+       base += int64_t(gridDim.x) * kCopyThreads * kCopyUnroll) {
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {  // all loads issued before any store
+      const int64_t i = base + int64_t(u) * kCopyThreads;
+      v[u] = i < reads ? load_vector<kLoadCs>(in + i) : make_uint4(uint32_t(i), 1, 2, 3);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * kCopyThreads;
+      if (i < writes) store_vector<kStoreCs>(out + i, v[u]);
+    }
+  }
+}
+
 }  // namespace moe_routing::kernels
 
 namespace moe_routing::baseline {
@@ -99,6 +143,44 @@ Status route_from_logits(const RouterConfig& cfg, int64_t tokens, const float* l
   if (smem > 48 * 1024) return Status::kUnsupported;  // no opt-in: a benchmark helper
   kernels::route_from_logits<<<unsigned(detail::ceil_div(tokens, kernels::kRouteWarps)),
                                kernels::kRouteWarps * 32, smem, stream>>>(p, logits);
+  return detail::last_launch_status();
+}
+
+Status copy_bytes(const void* in, void* out, int64_t read_bytes, int64_t write_bytes,
+                  int ctas_per_sm, bool streaming_loads, bool streaming_stores,
+                  cudaStream_t stream) {
+  if (read_bytes < 0 || write_bytes < 0 || ctas_per_sm < 0 || ctas_per_sm > 32)
+    return Status::kInvalidShape;
+  if ((read_bytes > 0 && !in) || (write_bytes > 0 && !out)) return Status::kNullPointer;
+  if ((read_bytes > 0 && !detail::aligned16(in)) || (write_bytes > 0 && !detail::aligned16(out)))
+    return Status::kMisaligned;
+  const int64_t reads = detail::ceil_div(read_bytes, 16);
+  const int64_t writes = detail::ceil_div(write_bytes, 16);
+  const int64_t n = reads > writes ? reads : writes;
+  if (n == 0) return Status::kSuccess;
+  constexpr int64_t kPerCta = int64_t(kernels::kCopyThreads) * kernels::kCopyUnroll;
+  int64_t grid = detail::ceil_div(n, kPerCta);  // one pass
+  if (ctas_per_sm > 0) {
+    int device = 0, sms = 0;
+    if (Status s = detail::cuda_status(cudaGetDevice(&device)); s != Status::kSuccess) return s;
+    if (Status s = detail::cuda_status(
+            cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        s != Status::kSuccess)
+      return s;
+    grid = std::min<int64_t>(grid, int64_t(sms) * ctas_per_sm);
+  }
+  if (grid > INT32_MAX) return Status::kInvalidShape;
+  auto* src = static_cast<const uint4*>(in);
+  auto* dst = static_cast<uint4*>(out);
+  const dim3 g(unsigned(grid), 1, 1), b(kernels::kCopyThreads, 1, 1);
+  if (streaming_loads && streaming_stores)
+    kernels::copy_vectors<true, true><<<g, b, 0, stream>>>(src, dst, reads, writes);
+  else if (streaming_loads)
+    kernels::copy_vectors<true, false><<<g, b, 0, stream>>>(src, dst, reads, writes);
+  else if (streaming_stores)
+    kernels::copy_vectors<false, true><<<g, b, 0, stream>>>(src, dst, reads, writes);
+  else
+    kernels::copy_vectors<false, false><<<g, b, 0, stream>>>(src, dst, reads, writes);
   return detail::last_launch_status();
 }
 
