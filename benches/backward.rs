@@ -25,8 +25,10 @@
 //!   (`single_over_ceiling`); % SOL (`sol_pct`, of the single call) is reported beside them.
 //!
 //! Every timing rotates among input sets (>= 2x the 50 MB L2 in all, so that no call finds the
-//! previous call's data in cache) of random data, never zeros. Before timing, the baseline is
-//! checked against the fused backward.
+//! previous call's data in cache) of random data, never zeros. The public range's fused calls
+//! read its PyTorch-dtype buffers in place (`Router::backward_as`); its unfused baseline runs on
+//! int32/f32 copies of the same values. Before timing, the baseline is checked against the
+//! fused backward.
 //!
 //! Results go to stdout (a table per suite, then one summary line per suite) and to JSON:
 //! `--json PATH`, else `$MOE_ROUTING_BENCH_JSON`, else `target/bench-backward.json`; the
@@ -49,7 +51,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moe_routing::suite::{self, Case, Interface};
 use moe_routing::testing::{bf16_to_f64, random_grad, to_f64, Inputs, Rng};
-use moe_routing::{BackwardOptions, Precision, Router, Routing};
+use moe_routing::{BackwardOptions, Precision, Router, Routing, Scores};
 
 /// The baseline must match the fused backward this closely (‖a − b‖ / ‖b‖), which it can only
 /// do if the GEMMs' transposes and leading dimensions are right.
@@ -186,8 +188,8 @@ fn run() -> Result<()> {
 
 /// Device buffers of one backward call. Rotating among several keeps each call's reads cold.
 /// Every set holds the routing inputs and grad_w in the training dtypes: the training suite's
-/// call and both suites' unfused baseline read them (and, for now, the public range's call:
-/// [`call_public`]).
+/// call and both suites' unfused baseline read them (and precise mode's f32 grad_w on the
+/// public range: [`call_public`]).
 struct InputSet {
     x: CudaSlice<bf16>,
     w: CudaSlice<bf16>,
@@ -201,8 +203,6 @@ struct InputSet {
 }
 
 /// The public range's buffers in PyTorch's dtypes.
-// TODO(backward_as): read by `call_public` once it calls `Router::backward_as`.
-#[allow(dead_code)]
 struct PyTorchSet {
     /// [T, K] int64.
     topk_idx: CudaSlice<i64>,
@@ -451,16 +451,12 @@ fn training_backward(
 }
 
 /// How [`call_public`] passes the public range's inputs (printed, and `call` in the JSON).
-// TODO(backward_as): say "Router::backward_as on the PyTorch-dtype buffers" with the switch.
-const PUBLIC_CALL: &str = "interim: Router::backward on int32/f32 copies of the PyTorch-dtype \
-                           inputs (made once, untimed), grad_w in fp32";
+const PUBLIC_CALL: &str = "Router::backward_as on the PyTorch-dtype buffers in place: int64 \
+                           topk_idx, Scores::All [T, E] bf16, bf16 grad_topk_weights, grad_w \
+                           bf16 (precise mode: grad_w f32, the only grad_w it writes)";
 
-/// The public range's call.
-// TODO(backward_as): once the library has `Router::backward_as`, call it on `set.pytorch`
-// (int64 indices, `Scores::All` of the [T, E] bf16 scores, bf16 grads, bf16 grad_w) and update
-// PUBLIC_CALL. Until then the existing backward on the same values in the training dtypes:
-// these calls read 12·T·K bytes of routing inputs and write grad_w in fp32, not the bytes the
-// public range's SOL and ceiling count.
+/// The public range's call: `Router::backward_as` on `set.pytorch`, the inputs as PyTorch holds
+/// them, read in place (no conversion).
 fn call_public(
     stream: &Arc<CudaStream>,
     router: &Router,
@@ -469,7 +465,22 @@ fn call_public(
     workspace: &mut CudaSlice<u8>,
     options: BackwardOptions,
 ) -> Result<()> {
-    training_backward(stream, router, tokens, set, workspace, options)
+    let p = set.pytorch.as_mut().ok_or("not a public-range input set")?;
+    let (idx, scores, grad) = (&p.topk_idx, Scores::All(&p.scores), &p.grad_topk_weights);
+    let (x, w, grad_x) = (&set.x, &set.w, &mut set.grad_x);
+    if options.precision == Precision::Precise {
+        // Precise mode writes grad_w in f32 only.
+        let grad_w = &mut set.grad_w;
+        router.backward_as(
+            stream, tokens, x, w, idx, scores, grad, grad_x, grad_w, options, workspace,
+        )?;
+    } else {
+        let grad_w = &mut p.grad_w;
+        router.backward_as(
+            stream, tokens, x, w, idx, scores, grad, grad_x, grad_w, options, workspace,
+        )?;
+    }
+    Ok(())
 }
 
 /// Runs the fused (default precision) and the unfused backward on `set` and checks that they
