@@ -488,7 +488,7 @@ fn up_to_date(obj: &Path, cmd: &Command) -> bool {
     if old_cmd != format!("{cmd:?}") {
         return false;
     }
-    // A Make rule, "obj: dep dep \\<newline> dep ...": every path after its target.
+    // A Make rule ("obj: dep dep \ <newline> dep ..."): every path after its target.
     deps.split_whitespace()
         .skip_while(|w| !w.ends_with(':'))
         .skip(1)

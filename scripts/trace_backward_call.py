@@ -40,28 +40,34 @@ def config():
     )
 
 
-def inputs(tokens, pytorch):
-    """Random inputs of one call (never zeros) in either interface."""
+# The two interfaces' dtypes: (int64 idx, all scores, bf16 scores, bf16 grads, bf16 grad_w).
+PYTORCH = (True, True, True, True, True)
+TRAINING = (False, False, False, False, False)
+
+
+def inputs(tokens, dt):
+    """Random inputs of one call (never zeros) in dtypes `dt`."""
+    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt
     dev = "cuda"
     x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
     w = torch.randn(E, H, device=dev, dtype=torch.bfloat16) * 0.02
     idx = torch.rand(tokens, E, device=dev).argsort(dim=1)[:, :K].contiguous()
     scores = torch.rand(tokens, E, device=dev) * 0.98 + 0.01
     grad = torch.randn(tokens, K, device=dev)
-    if pytorch:
-        t = dict(idx=idx.to(torch.int64), scores=scores.to(torch.bfloat16),
-                 grad=grad.to(torch.bfloat16),
-                 grad_w=torch.empty(E, H, device=dev, dtype=torch.bfloat16))
-    else:
-        t = dict(idx=idx.to(torch.int32), scores=scores.gather(1, idx).contiguous(), grad=grad,
-                 grad_w=torch.empty(E, H, device=dev, dtype=torch.float32))
+    real = lambda bf: torch.bfloat16 if bf else torch.float32
+    t = dict(idx=idx.to(torch.int64 if idx64 else torch.int32),
+             scores=(scores if all_scores else scores.gather(1, idx).contiguous()).to(
+                 real(scores_bf16)),
+             grad=grad.to(real(grad_bf16)),
+             grad_w=torch.empty(E, H, device=dev, dtype=real(grad_w_bf16)))
     t.update(x=x, w=w, grad_x=torch.empty_like(x))
     ws = _lib.load().moe_routing_backward_workspace_bytes(ctypes.byref(config()), tokens)
     t["workspace"] = torch.zeros(ws, device=dev, dtype=torch.uint8)  # once, as the C ABI asks
     return t
 
 
-def args(tokens, t, pytorch):
+def args(tokens, t, dt):
+    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt
     p = lambda v, ty: ctypes.cast(ctypes.c_void_p(v.data_ptr()), ctypes.POINTER(ty))
     a = _lib.MoeRoutingBackwardArgs(
         struct_size=ctypes.sizeof(_lib.MoeRoutingBackwardArgs),
@@ -76,24 +82,39 @@ def args(tokens, t, pytorch):
         workspace=ctypes.c_void_p(t["workspace"].data_ptr()),
         workspace_bytes=t["workspace"].numel(),
     )
-    if pytorch:
+    if all_scores:
         a.scores = ctypes.c_void_p(t["scores"].data_ptr())
         a.scores_len = t["scores"].numel()
-        a.topk_idx_dtype = _lib.DTYPE_I64
-        a.scores_dtype = _lib.DTYPE_BF16
-        a.grad_topk_weights_dtype = _lib.DTYPE_BF16
-        a.grad_w_dtype = _lib.DTYPE_BF16
     else:
         a.topk_scores = p(t["scores"], ctypes.c_float)
         a.topk_scores_len = t["scores"].numel()
+    a.topk_idx_dtype = _lib.DTYPE_I64 if idx64 else _lib.DTYPE_I32
+    a.scores_dtype = _lib.DTYPE_BF16 if scores_bf16 else _lib.DTYPE_F32
+    a.grad_topk_weights_dtype = _lib.DTYPE_BF16 if grad_bf16 else _lib.DTYPE_F32
+    a.grad_w_dtype = _lib.DTYPE_BF16 if grad_w_bf16 else _lib.DTYPE_F32
     return a
 
 
-def trace(tokens, pytorch):
+def single_call_us(call, n=30):
+    """Median device time of `n` calls, each after an L2 flush (CUDA events)."""
+    flush = torch.empty(2 * 50 * 2**20 // 4, device="cuda", dtype=torch.float32)
+    times = []
+    for _ in range(n):
+        flush.fill_(1.0)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[n // 2]
+
+
+def trace(tokens, dt):
     lib = _lib.load()
     cfg = config()
-    t = inputs(tokens, pytorch)
-    a = args(tokens, t, pytorch)
+    t = inputs(tokens, dt)
+    a = args(tokens, t, dt)
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     call = lambda: _lib.check_status(
         lib.moe_routing_backward(ctypes.byref(cfg), ctypes.byref(a), stream), "backward")
@@ -112,25 +133,32 @@ def trace(tokens, pytorch):
         call()
     host_us = (time.perf_counter() - t0) / n * 1e6
     torch.cuda.synchronize()
-    return [(e.name, e.device_time) for e in ops], host_us
+    return [(e.name, e.device_time) for e in ops], host_us, single_call_us(call)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="*", default=[1264, 7680, 512, 32768])
     ap.add_argument("--json")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also each dtype of the PyTorch interface alone, beside the training's")
     opts = ap.parse_args()
     rows, ok = [], True
+    variants = [("pytorch dtypes", PYTORCH), ("training dtypes", TRAINING)]
+    if opts.sweep:
+        names = ["int64 idx", "all scores", "bf16 scores", "bf16 grads", "bf16 grad_w"]
+        for i, n in enumerate(names):
+            variants.append((n, tuple(j == i for j in range(5))))
     for tokens in opts.tokens:
-        for pytorch in (True, False):
-            ops, host_us = trace(tokens, pytorch)
-            label = "pytorch dtypes" if pytorch else "training dtypes"
-            print(f"T={tokens:>6} {label:<16} {len(ops)} GPU op(s), host {host_us:.1f} us/call")
+        for label, dt in variants:
+            ops, host_us, single_us = trace(tokens, dt)
+            print(f"T={tokens:>6} {label:<16} {len(ops)} GPU op(s), host {host_us:.1f} us/call, "
+                  f"single call {single_us:.1f} us")
             for name, us in ops:
                 print(f"    {us:8.1f} us  {name[:110]}")
             ok &= len(ops) == 1
             rows.append(dict(tokens=tokens, interface=label, gpu_ops=[n for n, _ in ops],
-                             host_us=round(host_us, 2)))
+                             host_us=round(host_us, 2), single_call_us=round(single_us, 2)))
     if opts.json:
         Path(opts.json).write_text(json.dumps(rows, indent=1) + "\n")
     print("one GPU operation per call:", "yes" if ok else "NO")

@@ -57,45 +57,74 @@ struct TokenRouting {
     }
   }
 
-  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
-                                       int64_t tokens, int top_k) {
-    valid = t < tokens;
-    if (!valid) return;
+  // Row t's indices: kTopK (16-byte vectors) or top_k of them (kAnyK; -1 beyond).
+  __device__ __forceinline__ static void load_indices(const kernels::RoutingInputs& in,
+                                                      int64_t t, int top_k, int (&idx)[kTopK]) {
+    if constexpr (kAnyK) {
+#pragma unroll
+      for (int k = 0; k < kTopK; ++k) idx[k] = k < top_k ? kernels::load_index(in, t * top_k + k) : -1;
+    } else if (in.idx_i64) {
+      const longlong2* v = static_cast<const longlong2*>(in.idx) + t * kTopK / 2;
+#pragma unroll
+      for (int i = 0; i < kTopK / 2; ++i) {
+        const longlong2 e = __ldg(v + i);
+        idx[2 * i] = kernels::narrow_index(e.x), idx[2 * i + 1] = kernels::narrow_index(e.y);
+      }
+    } else {
+      const int4* v = static_cast<const int4*>(in.idx) + t * kTopK / 4;
+#pragma unroll
+      for (int i = 0; i < kTopK / 4; ++i) {
+        const int4 e = __ldg(v + i);
+        idx[4 * i] = e.x, idx[4 * i + 1] = e.y, idx[4 * i + 2] = e.z, idx[4 * i + 3] = e.w;
+      }
+    }
+  }
+
+  // Row t's gradients, and its scores where they are [T, K].
+  __device__ __forceinline__ void load_rows(const kernels::RoutingInputs& in, int64_t t,
+                                            int top_k) {
     if constexpr (kAnyK) {
       const int64_t row = t * top_k;
 #pragma unroll
       for (int k = 0; k < kTopK; ++k) {
         const bool used = k < top_k;
-        idx[k] = used ? kernels::load_index(in, row + k) : -1;
         grad[k] = used ? kernels::load_real(in.grad, in.grad_bf16, row + k) : 0.0f;
+        if (!in.scores_all) score[k] = used ? kernels::load_real(in.scores, in.scores_bf16, row + k) : 0.0f;
       }
-#pragma unroll
-      for (int k = 0; k < kTopK; ++k)
-        score[k] = k < top_k ? kernels::load_score(in, t, row + k, idx[k]) : 0.0f;
     } else {
-      if (in.idx_i64) {
-        const longlong2* v = static_cast<const longlong2*>(in.idx) + t * kTopK / 2;
-#pragma unroll
-        for (int i = 0; i < kTopK / 2; ++i) {
-          const longlong2 e = __ldg(v + i);
-          idx[2 * i] = kernels::narrow_index(e.x), idx[2 * i + 1] = kernels::narrow_index(e.y);
-        }
-      } else {
-        const int4* v = static_cast<const int4*>(in.idx) + t * kTopK / 4;
-#pragma unroll
-        for (int i = 0; i < kTopK / 4; ++i) {
-          const int4 e = __ldg(v + i);
-          idx[4 * i] = e.x, idx[4 * i + 1] = e.y, idx[4 * i + 2] = e.z, idx[4 * i + 3] = e.w;
-        }
-      }
       load_reals(in.grad, in.grad_bf16, t, grad);
-      if (in.scores_all) {
-#pragma unroll
-        for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
-      } else {
-        load_reals(in.scores, in.scores_bf16, t, score);
-      }
+      if (!in.scores_all) load_reals(in.scores, in.scores_bf16, t, score);
     }
+  }
+
+  // Token t (valid where t < tokens): indices, gradients and [T, K] scores, all loads issued
+  // at once; the scores of all experts gathered once the indices are in (load_gathered keeps
+  // that wait off the producer's path).
+  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
+                                       int64_t tokens, int top_k) {
+    valid = t < tokens;
+    if (!valid) return;
+    load_indices(in, t, top_k, idx);
+    load_rows(in, t, top_k);
+    if (in.scores_all) {
+#pragma unroll
+      for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
+    }
+  }
+
+  // Token t with its indices loaded before (`ahead`, a unit earlier, so that their latency is
+  // not on the producer's path): gradients loaded and the chosen experts' scores gathered from
+  // the scores of all experts, issued together.
+  __device__ __forceinline__ void load_gathered(const kernels::RoutingInputs& in, int64_t t,
+                                                int64_t tokens, int top_k,
+                                                const int (&ahead)[kTopK]) {
+    valid = t < tokens;
+    if (!valid) return;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) idx[k] = ahead[k];
+    load_rows(in, t, top_k);
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
   }
 };
 
