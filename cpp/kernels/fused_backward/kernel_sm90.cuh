@@ -223,38 +223,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
         for (int i = 0; i < kPrefetch; ++i) prefetch_next();
     }
-    // The scores of all experts ([T, E]) are gathered where the indices point: each unit's
-    // indices are loaded a unit before its gradients and gathers (`ahead`), so that the
-    // producer never waits for the indices before it can issue the gathers (waiting there
-    // made the calls up to 3.5x slower).
-    const bool gather = p.routing.scores_all;
-    int ahead[Cfg::kTopK];  // indices of unit n + 1, while unit n's rows load
-    UnitCursor ahead_unit = g_unit;
-    auto load_ahead = [&](int n) {  // unit n's indices, units in order
-      if (n == count) ahead_unit = UnitCursor(unit0, tiles);
-      const int64_t t = int64_t(ahead_unit.tile) * kTileT + thread;
-      if (t < p.tokens) decltype(loaded)::load_indices(p.routing, t, p.top_k, ahead);
-      ahead_unit.next(tiles);
+    // Indices needed as they arrive (TokenRouting) are fetched into L1 a unit ahead.
+    const bool early_indices = p.routing.idx_i64 || p.routing.scores_all;
+    UnitCursor idx_unit = g_unit;  // unit of the next index prefetch
+    int idx_next = 0;              // ... and its index
+    auto prefetch_indices_next = [&] {  // units in order
+      if (idx_next < total) {
+        if (idx_next == count) idx_unit = UnitCursor(unit0, tiles);
+        prefetch_indices(p.routing, int64_t(idx_unit.tile) * kTileT + thread, p.tokens,
+                         Cfg::kAnyK ? p.top_k : Cfg::kTopK);
+        idx_unit.next(tiles);
+        ++idx_next;
+      }
     };
     auto load_routing = [&](int n) {  // units in order
       if constexpr (kPrefetch > 0) {
         if (prefetch) prefetch_next();  // unit n + kPrefetch
       }
-      if (n == count) g_unit = UnitCursor(unit0, tiles);
-      const int64_t t = int64_t(g_unit.tile) * kTileT + thread;
-      if (gather) {
-        loaded.load_gathered(p.routing, t, p.tokens, p.top_k, ahead);
-        if (n + 1 < total) load_ahead(n + 1);
-      } else {
-        loaded.load(p.routing, t, p.tokens, p.top_k);
+      if (early_indices) {
+        if (n == 0) prefetch_indices_next();  // (unit 0's: its load follows at once)
+        prefetch_indices_next();              // unit n + 1
       }
+      if (n == count) g_unit = UnitCursor(unit0, tiles);
+      loaded.load(p.routing, int64_t(g_unit.tile) * kTileT + thread, p.tokens, p.top_k);
       g_unit.next(tiles);
     };
     PackedRow<Cfg::kTopK> row{};
     if (count > 0) {
-      if (gather) load_ahead(0);
       load_routing(0);
-      row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, rounding_at(0));
+      row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm, rounding_at(0));
       MOE_ROUTING_TRACE(thread == 0, 8);
     }
     for (int n = 0; n < total; ++n) {
@@ -268,7 +265,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       Barrier::arrive(&smem.g_full[s]);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
       if (n + 1 < total)
-        row = pack_routing_grad_row<kExperts>(loaded, p.scale, p.norm, rounding_at(n + 1));
+        row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
+                                                    rounding_at(n + 1));
     }
     if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
@@ -488,21 +486,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // one CTA takes a whole 128-column slice, H > 8448 at small T. Batching the loads, as the
   // kTileH = 64 kernel once did, changed this kernel's register allocation and slowed its
   // main loop by 4% at T = 32768.)
+  // (f32 grad_w only: a bf16 one goes through a partial and reduce_grad_w, which writes either,
+  // so that this store, and the main loop's registers, stay as they were.)
   auto write_grad_w = [&](int64_t slice) {
-    const auto slice_w = make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
-                                     make_stride(_1{}, H));  // (h, e)
-    if (p.grad_w_bf16) {
-      Tensor tWgW = thr_w.partition_C(make_tensor(
-          make_gmem_ptr(static_cast<Elem*>(p.grad_w) + slice * kTileH), slice_w));
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i) tWgW(i) = Elem(acc_w(i));
-    } else {
-      Tensor tWgW = thr_w.partition_C(make_tensor(
-          make_gmem_ptr(static_cast<float*>(p.grad_w) + slice * kTileH), slice_w));
-      CUTE_UNROLL
-      for (int i = 0; i < size(acc_w); ++i)
-        tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
-    }
+    Tensor gW = make_tensor(make_gmem_ptr(static_cast<float*>(p.grad_w) + slice * kTileH),
+                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
+                                        make_stride(_1{}, H)));  // (h, e)
+    Tensor tWgW = thr_w.partition_C(gW);
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
   };
   // grad_w of a part of a slice, as this CTA's partial of it.
   auto write_partial = [&](int64_t slice) {
@@ -726,7 +718,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if (segment_ends && p.sum == GradWSum::kLastCta) {
-        if (seg_first_tile == 0 && tile == tiles - 1) {
+        if (seg_first_tile == 0 && tile == tiles - 1 && !p.grad_w_bf16) {
           write_grad_w(slice);
         } else {
           write_partial(slice);

@@ -17,49 +17,67 @@
 namespace moe_routing::kernels::fused_backward {
 
 // One token's routing inputs, held in registers: the loads are issued before the builder
-// waits for a free stage, so that their latency hides behind the wait. kTopK slots per token:
-// K = kTopK, whose [T, K] rows load as 16-byte vectors (any dtype: a row of 8 is 16, 32 or 64
-// bytes); or (kAnyK) any K <= kTopK given at run time, loaded element by element (a row need
-// not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score and
-// gradient 0 (adding nothing). The scores of all experts ([T, E]) are gathered at the chosen
-// ones once the indices are in.
+// waits for a free stage, and their values are used only when the row is packed, after it, so
+// that their latency hides behind the wait. Scores and gradients stay as loaded (raw words)
+// until then: converting bf16 right after the load would wait for it there. kTopK slots per
+// token: K = kTopK, whose [T, K] rows load as 16-byte vectors (a row of 8 is 16, 32 or 64 bytes
+// in every dtype); or (kAnyK) any K <= kTopK given at run time, loaded element by element (a
+// row need not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score
+// and gradient 0 (adding nothing).
+// Indices are needed as they arrive where they are int64 (narrowed) or address the scores of
+// all experts ([T, E], gathered at the chosen ones): there the producer waits for them, and
+// the kernel fetches their rows into L1 a unit ahead (prefetch_indices) to keep that wait short.
 template <int kTopK, bool kAnyK = false>
 struct TokenRouting {
   static_assert(kTopK % 8 == 0 || kAnyK, "fixed K: rows of whole 16-byte vectors in every dtype");
   int idx[kTopK];
-  float score[kTopK];
-  float grad[kTopK];
+  // Raw words: f32 bits; a bf16 in the low half (one per slot: gathered, or kAnyK); or bf16
+  // pairs (a fixed K's [T, K] bf16 row: words 0 ... kTopK / 2 - 1).
+  uint32_t score[kTopK];
+  uint32_t grad[kTopK];
   bool valid;
 
-  // n reals of row `row` (16-byte aligned) as 16-byte vectors.
-  template <int n>
-  __device__ __forceinline__ static void load_reals(const void* base, bool bf16, int64_t row,
-                                                    float (&out)[n]) {
-    if (bf16) {
-      const uint4* v = static_cast<const uint4*>(base) + row * n / 8;
+  // A [T, K] row of reals, as loaded (fixed K: 16-byte vectors; kAnyK: one word per slot).
+  __device__ __forceinline__ static void load_row(const void* base, bool bf16, int64_t t,
+                                                  int top_k, uint32_t (&out)[kTopK]) {
+    if constexpr (kAnyK) {
+      const int64_t row = t * top_k;
 #pragma unroll
-      for (int i = 0; i < n / 8; ++i) {
-        const uint4 u = __ldg(v + i);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(h[j]);
-          out[8 * i + 2 * j] = f.x, out[8 * i + 2 * j + 1] = f.y;
-        }
+      for (int k = 0; k < kTopK; ++k) {
+        if (k >= top_k) out[k] = 0;
+        else if (bf16) out[k] = __ldg(static_cast<const unsigned short*>(base) + row + k);
+        else out[k] = __ldg(static_cast<const unsigned int*>(base) + row + k);
       }
     } else {
-      const float4* v = static_cast<const float4*>(base) + row * n / 4;
+      const int words = bf16 ? kTopK / 2 : kTopK;
+      const uint4* v = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + t * words * 4);
 #pragma unroll
-      for (int i = 0; i < n / 4; ++i) {
-        const float4 f = __ldg(v + i);
-        out[4 * i] = f.x, out[4 * i + 1] = f.y, out[4 * i + 2] = f.z, out[4 * i + 3] = f.w;
+      for (int i = 0; i < kTopK / 4; ++i) {
+        if (bf16 && i >= kTopK / 8) break;
+        const uint4 u = __ldg(v + i);
+        out[4 * i] = u.x, out[4 * i + 1] = u.y, out[4 * i + 2] = u.z, out[4 * i + 3] = u.w;
       }
     }
   }
 
-  // Row t's indices: kTopK (16-byte vectors) or top_k of them (kAnyK; -1 beyond).
-  __device__ __forceinline__ static void load_indices(const kernels::RoutingInputs& in,
-                                                      int64_t t, int top_k, int (&idx)[kTopK]) {
+  // Slot k of a raw row (the layout load_row or the gather left).
+  __device__ __forceinline__ static float real(const uint32_t (&raw)[kTopK], int k, bool bf16,
+                                               bool one_per_slot) {
+    if (!bf16) return __uint_as_float(raw[k]);
+    if (kAnyK || one_per_slot) return __uint_as_float(raw[k] << 16);
+    return __uint_as_float(k % 2 ? raw[k / 2] & 0xffff0000u : raw[k / 2] << 16);
+  }
+  __device__ __forceinline__ float score_at(const kernels::RoutingInputs& in, int k) const {
+    return real(score, k, in.scores_bf16, in.scores_all);
+  }
+  __device__ __forceinline__ float grad_at(const kernels::RoutingInputs& in, int k) const {
+    return real(grad, k, in.grad_bf16, false);
+  }
+
+  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
+                                       int64_t tokens, int top_k) {
+    valid = t < tokens;
+    if (!valid) return;
     if constexpr (kAnyK) {
 #pragma unroll
       for (int k = 0; k < kTopK; ++k) idx[k] = k < top_k ? kernels::load_index(in, t * top_k + k) : -1;
@@ -78,53 +96,19 @@ struct TokenRouting {
         idx[4 * i] = e.x, idx[4 * i + 1] = e.y, idx[4 * i + 2] = e.z, idx[4 * i + 3] = e.w;
       }
     }
-  }
-
-  // Row t's gradients, and its scores where they are [T, K].
-  __device__ __forceinline__ void load_rows(const kernels::RoutingInputs& in, int64_t t,
-                                            int top_k) {
-    if constexpr (kAnyK) {
-      const int64_t row = t * top_k;
-#pragma unroll
-      for (int k = 0; k < kTopK; ++k) {
-        const bool used = k < top_k;
-        grad[k] = used ? kernels::load_real(in.grad, in.grad_bf16, row + k) : 0.0f;
-        if (!in.scores_all) score[k] = used ? kernels::load_real(in.scores, in.scores_bf16, row + k) : 0.0f;
-      }
-    } else {
-      load_reals(in.grad, in.grad_bf16, t, grad);
-      if (!in.scores_all) load_reals(in.scores, in.scores_bf16, t, score);
+    load_row(in.grad, in.grad_bf16, t, top_k, grad);
+    if (!in.scores_all) {
+      load_row(in.scores, in.scores_bf16, t, top_k, score);
+      return;
     }
-  }
-
-  // Token t (valid where t < tokens): indices, gradients and [T, K] scores, all loads issued
-  // at once; the scores of all experts gathered once the indices are in (load_gathered keeps
-  // that wait off the producer's path).
-  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
-                                       int64_t tokens, int top_k) {
-    valid = t < tokens;
-    if (!valid) return;
-    load_indices(in, t, top_k, idx);
-    load_rows(in, t, top_k);
-    if (in.scores_all) {
+    const int64_t row = t * in.scores_stride;
 #pragma unroll
-      for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
+    for (int k = 0; k < kTopK; ++k) {
+      const int e = idx[k];
+      if (unsigned(e) >= unsigned(in.scores_stride)) score[k] = 0;  // (0.0f, either dtype)
+      else if (in.scores_bf16) score[k] = __ldg(static_cast<const unsigned short*>(in.scores) + row + e);
+      else score[k] = __ldg(static_cast<const unsigned int*>(in.scores) + row + e);
     }
-  }
-
-  // Token t with its indices loaded before (`ahead`, a unit earlier, so that their latency is
-  // not on the producer's path): gradients loaded and the chosen experts' scores gathered from
-  // the scores of all experts, issued together.
-  __device__ __forceinline__ void load_gathered(const kernels::RoutingInputs& in, int64_t t,
-                                                int64_t tokens, int top_k,
-                                                const int (&ahead)[kTopK]) {
-    valid = t < tokens;
-    if (!valid) return;
-#pragma unroll
-    for (int k = 0; k < kTopK; ++k) idx[k] = ahead[k];
-    load_rows(in, t, top_k);
-#pragma unroll
-    for (int k = 0; k < kTopK; ++k) score[k] = kernels::load_score(in, t, 0, idx[k]);
   }
 };
 
@@ -139,6 +123,12 @@ __device__ __forceinline__ void prefetch_l1_span(const void* first, const void* 
 __device__ __forceinline__ void prefetch_row(const void* base, int64_t t, int k, int bytes) {
   const char* first = static_cast<const char*>(base) + t * k * bytes;
   prefetch_l1_span(first, first + (k - 1) * bytes);
+}
+
+// Row t's indices fetched into L1 (TokenRouting's comment says when).
+__device__ __forceinline__ void prefetch_indices(const kernels::RoutingInputs& in, int64_t t,
+                                                 int64_t tokens, int k) {
+  if (t < tokens) prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
 }
 
 // One token's [T, K] routing inputs fetched into L1 ahead of their loads (TokenRouting::load
@@ -198,11 +188,13 @@ enum class GradRounding : int {
 // to bf16 as `rounding` says. Indices outside [0, E) contribute nothing.
 template <int kExperts, int kTopK, bool kAnyK>
 __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
-    const TokenRouting<kTopK, kAnyK>& in, float scale, bool norm, GradRounding rounding) {
+    const TokenRouting<kTopK, kAnyK>& in, const kernels::RoutingInputs& dtypes, float scale,
+    bool norm, GradRounding rounding) {
   PackedRow<kTopK> out{};
   if (!in.valid) return out;
-  const float* s = in.score;
-  const float* g = in.grad;
+  float s[kTopK], g[kTopK];
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k) s[k] = in.score_at(dtypes, k), g[k] = in.grad_at(dtypes, k);
   const int* e = in.idx;
   float v[kTopK];
   if (rounding == GradRounding::kTorchBf16) {
