@@ -62,7 +62,7 @@ for section in $sections; do
           forward_fused_shapes backward_dtypes_small; do
           jobs+=("$tool $t -")
         done
-        for t in ${SANITIZE_SUITE_TESTS:-suite_backward suite_forward}; do
+        for t in ${SANITIZE_SUITE_TESTS-suite_backward suite_forward}; do
           for c in $cases; do jobs+=("$tool $t $c"); done
         done
         for c in $dtype_cases; do jobs+=("$tool suites_in_pytorch_dtypes $c"); done

@@ -96,11 +96,13 @@ def args(tokens, t, dt):
 
 
 def single_call_us(call, n=30):
-    """Median device time of `n` calls, each after an L2 flush (CUDA events)."""
+    """Median device time of `n` calls, each after an L2 flush (CUDA events; the flushes keep
+    the GPU busy while the host queues the call, so that its host time is not counted)."""
     flush = torch.empty(2 * 50 * 2**20 // 4, device="cuda", dtype=torch.float32)
     times = []
     for _ in range(n):
-        flush.fill_(1.0)
+        for _ in range(4):  # the GPU busy long enough that the call is queued before it starts
+            flush.fill_(1.0)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         call()

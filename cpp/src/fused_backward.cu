@@ -93,15 +93,16 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
-// The kernels of one E. K = 8 with 16-byte aligned routing rows has its own (vector loads);
-// any other K or alignment takes the any-K ones. E = 64 has the any-K kernels alone, E = 256
-// the 64-column ones alone.
+// The kernels of one E. K = 8 with 16-byte aligned routing rows in the training dtypes has its
+// own (vector loads); any other K, alignment or dtype takes the any-K ones. E = 64 has the any-K
+// kernels alone, E = 256 the 64-column ones alone.
 template <int kExperts>
 Status launch_passes_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
                        const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
   constexpr bool kHasK8 = kExperts != 64, kHasWide = kExperts != 256;
   constexpr int kK8 = kHasK8 ? 8 : kAnyTopK;
-  const bool k8 = kHasK8 && cfg.num_experts_per_tok == 8 && routing_rows_aligned16(a);
+  const bool k8 =
+      kHasK8 && cfg.num_experts_per_tok == 8 && routing_rows_aligned16(a) && training_dtypes(a);
   if (pl.tile_h == 64)
     return k8 ? launch_fused_backward_e<kExperts, kK8, 64>(cfg, a, device, pl, stream, passes)
               : launch_fused_backward_e<kExperts, kAnyTopK, 64>(cfg, a, device, pl, stream, passes);

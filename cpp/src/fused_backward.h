@@ -43,6 +43,15 @@ inline kernels::RoutingInputs routing_inputs(const RouterConfig& cfg, const Back
   return in;
 }
 
+// The training dtypes (int32 indices, f32 [T, K] scores and gradients, f32 grad_w, no
+// torch_bf16 rounding): the only ones the fixed-K kernels read; every other combination takes
+// the any-K kernels.
+inline bool training_dtypes(const BackwardArgs& a) {
+  return a.topk_idx.dtype == DType::kI32 && a.scores.data == nullptr &&
+         a.topk_scores.dtype == DType::kF32 && a.grad_topk_weights.dtype == DType::kF32 &&
+         a.grad_w.dtype == DType::kF32 && a.precision != Precision::kTorchBf16;
+}
+
 // The [T, K] routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as
 // 16-byte vectors; the scores of all experts are gathered one by one); the API asks only
 // element alignment, which the any-K kernels take.

@@ -48,10 +48,11 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
-  // A fixed K loads the routing rows as 16-byte vectors: K = kTopK and aligned rows only.
+  // A fixed K loads the routing rows as 16-byte vectors: K = kTopK, aligned rows and the
+  // training dtypes only.
   const int top_k = cfg.num_experts_per_tok;
   if (Cfg::kAnyK ? top_k < 1 || top_k > Cfg::kTopK
-                 : top_k != Cfg::kTopK || !routing_rows_aligned16(a))
+                 : top_k != Cfg::kTopK || !routing_rows_aligned16(a) || !training_dtypes(a))
     return Status::kUnsupported;
   if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
   const int64_t H = cfg.hidden_size, T = a.tokens;

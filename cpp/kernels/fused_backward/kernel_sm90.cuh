@@ -223,15 +223,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
         for (int i = 0; i < kPrefetch; ++i) prefetch_next();
     }
-    // Indices needed as they arrive (TokenRouting) are fetched into L1 a unit ahead.
-    const bool early_indices = p.routing.idx_i64 || p.routing.scores_all;
+    // Indices needed as they arrive (TokenRouting, kAnyK) are fetched a unit ahead.
+    const bool early_indices = Cfg::kAnyK && (p.routing.idx_i64 || p.routing.scores_all);
     UnitCursor idx_unit = g_unit;  // unit of the next index prefetch
     int idx_next = 0;              // ... and its index
     auto prefetch_indices_next = [&] {  // units in order
       if (idx_next < total) {
         if (idx_next == count) idx_unit = UnitCursor(unit0, tiles);
-        prefetch_indices(p.routing, int64_t(idx_unit.tile) * kTileT + thread, p.tokens,
-                         Cfg::kAnyK ? p.top_k : Cfg::kTopK);
+        prefetch_gather_rows(p.routing, int64_t(idx_unit.tile) * kTileT + thread, p.tokens,
+                             p.top_k);
         idx_unit.next(tiles);
         ++idx_next;
       }
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
   // Vector v written: four floats, or four bf16 (8 bytes).
   auto store_grad_w_vec = [&](int64_t slice, int v, float4 f) {
-    if (p.grad_w_bf16) {
+    if (Cfg::kAnyK && p.grad_w_bf16) {  // (the fixed-K kernels write f32 grad_w alone)
       const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
       __stcg(reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.grad_w) + grad_w_at(slice, v)),
              make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if (segment_ends && p.sum == GradWSum::kLastCta) {
-        if (seg_first_tile == 0 && tile == tiles - 1 && !p.grad_w_bf16) {
+        if (seg_first_tile == 0 && tile == tiles - 1 && !(Cfg::kAnyK && p.grad_w_bf16)) {
           write_grad_w(slice);
         } else {
           write_partial(slice);

@@ -18,96 +18,97 @@ namespace moe_routing::kernels::fused_backward {
 
 // One token's routing inputs, held in registers: the loads are issued before the builder
 // waits for a free stage, and their values are used only when the row is packed, after it, so
-// that their latency hides behind the wait. Scores and gradients stay as loaded (raw words)
-// until then: converting bf16 right after the load would wait for it there. kTopK slots per
-// token: K = kTopK, whose [T, K] rows load as 16-byte vectors (a row of 8 is 16, 32 or 64 bytes
-// in every dtype); or (kAnyK) any K <= kTopK given at run time, loaded element by element (a
-// row need not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score
-// and gradient 0 (adding nothing).
-// Indices are needed as they arrive where they are int64 (narrowed) or address the scores of
-// all experts ([T, E], gathered at the chosen ones): there the producer waits for them, and
-// the kernel fetches their rows into L1 a unit ahead (prefetch_indices) to keep that wait short.
+// that their latency hides behind the wait. kTopK slots per token.
+//   Fixed K (K = kTopK): the training dtypes alone (int32 indices, f32 [T, K] scores and
+//   gradients), each row loaded as 16-byte vectors (the host launches these kernels for those
+//   dtypes, 16-byte aligned rows and K = kTopK only).
+//   kAnyK: any K <= kTopK given at run time and every dtype, loaded element by element (a row
+//   need not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score
+//   and gradient 0 (adding nothing). Scores and gradients stay as loaded (raw words) until
+//   the row is packed: converting bf16 right after the load would wait for it there. Indices
+//   are needed as they arrive where they are int64 (narrowed) or address the scores of all
+//   experts ([T, E], gathered at the chosen ones): there the producer waits for them, and the
+//   kernel fetches their rows into L1, and the score rows into L2, a unit ahead
+//   (prefetch_gather_rows) to keep that wait short.
 template <int kTopK, bool kAnyK = false>
 struct TokenRouting {
-  static_assert(kTopK % 8 == 0 || kAnyK, "fixed K: rows of whole 16-byte vectors in every dtype");
-  int idx[kTopK];
-  // Raw words: f32 bits; a bf16 in the low half (one per slot: gathered, or kAnyK); or bf16
-  // pairs (a fixed K's [T, K] bf16 row: words 0 ... kTopK / 2 - 1).
+  static_assert(kTopK % 4 == 0, "slots as 16-byte vectors");
+  int4 idx4[kTopK / 4];
+  float4 score4[kTopK / 4];
+  float4 grad4[kTopK / 4];
+  bool valid;
+
+  __device__ __forceinline__ const int* idx() const { return reinterpret_cast<const int*>(idx4); }
+  __device__ __forceinline__ float score_at(const kernels::RoutingInputs&, int k) const {
+    return reinterpret_cast<const float*>(score4)[k];
+  }
+  __device__ __forceinline__ float grad_at(const kernels::RoutingInputs&, int k) const {
+    return reinterpret_cast<const float*>(grad4)[k];
+  }
+
+  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
+                                       int64_t tokens, int) {
+    valid = t < tokens;
+    if (!valid) return;
+    const int64_t row = t * kTopK / 4;  // in 16-byte vectors
+#pragma unroll
+    for (int v = 0; v < kTopK / 4; ++v) {
+      idx4[v] = __ldg(static_cast<const int4*>(in.idx) + row + v);
+      score4[v] = __ldg(static_cast<const float4*>(in.scores) + row + v);
+      grad4[v] = __ldg(static_cast<const float4*>(in.grad) + row + v);
+    }
+  }
+};
+
+template <int kTopK>
+struct TokenRouting<kTopK, true> {
+  int idx_[kTopK];
+  // Raw words: f32 bits, or a bf16 in the low half.
   uint32_t score[kTopK];
   uint32_t grad[kTopK];
   bool valid;
 
-  // A [T, K] row of reals, as loaded (fixed K: 16-byte vectors; kAnyK: one word per slot).
-  __device__ __forceinline__ static void load_row(const void* base, bool bf16, int64_t t,
-                                                  int top_k, uint32_t (&out)[kTopK]) {
-    if constexpr (kAnyK) {
-      const int64_t row = t * top_k;
-#pragma unroll
-      for (int k = 0; k < kTopK; ++k) {
-        if (k >= top_k) out[k] = 0;
-        else if (bf16) out[k] = __ldg(static_cast<const unsigned short*>(base) + row + k);
-        else out[k] = __ldg(static_cast<const unsigned int*>(base) + row + k);
-      }
-    } else {
-      const int words = bf16 ? kTopK / 2 : kTopK;
-      const uint4* v = reinterpret_cast<const uint4*>(static_cast<const char*>(base) + t * words * 4);
-#pragma unroll
-      for (int i = 0; i < kTopK / 4; ++i) {
-        if (bf16 && i >= kTopK / 8) break;
-        const uint4 u = __ldg(v + i);
-        out[4 * i] = u.x, out[4 * i + 1] = u.y, out[4 * i + 2] = u.z, out[4 * i + 3] = u.w;
-      }
-    }
-  }
-
-  // Slot k of a raw row (the layout load_row or the gather left).
-  __device__ __forceinline__ static float real(const uint32_t (&raw)[kTopK], int k, bool bf16,
-                                               bool one_per_slot) {
-    if (!bf16) return __uint_as_float(raw[k]);
-    if (kAnyK || one_per_slot) return __uint_as_float(raw[k] << 16);
-    return __uint_as_float(k % 2 ? raw[k / 2] & 0xffff0000u : raw[k / 2] << 16);
+  __device__ __forceinline__ const int* idx() const { return idx_; }
+  __device__ __forceinline__ static float real(uint32_t w, bool bf16) {
+    return __uint_as_float(bf16 ? w << 16 : w);
   }
   __device__ __forceinline__ float score_at(const kernels::RoutingInputs& in, int k) const {
-    return real(score, k, in.scores_bf16, in.scores_all);
+    return real(score[k], in.scores_bf16);
   }
   __device__ __forceinline__ float grad_at(const kernels::RoutingInputs& in, int k) const {
-    return real(grad, k, in.grad_bf16, false);
+    return real(grad[k], in.grad_bf16);
+  }
+
+  // One word per slot of a [T, K] row of reals, as loaded (0 beyond K: 0.0f in either dtype).
+  __device__ __forceinline__ static void load_row(const void* base, bool bf16, int64_t row,
+                                                  int top_k, uint32_t (&out)[kTopK]) {
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      if (k >= top_k) out[k] = 0;
+      else if (bf16) out[k] = __ldg(static_cast<const unsigned short*>(base) + row + k);
+      else out[k] = __ldg(static_cast<const unsigned int*>(base) + row + k);
+    }
   }
 
   __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
                                        int64_t tokens, int top_k) {
     valid = t < tokens;
     if (!valid) return;
-    if constexpr (kAnyK) {
+    const int64_t row = t * top_k;
 #pragma unroll
-      for (int k = 0; k < kTopK; ++k) idx[k] = k < top_k ? kernels::load_index(in, t * top_k + k) : -1;
-    } else if (in.idx_i64) {
-      const longlong2* v = static_cast<const longlong2*>(in.idx) + t * kTopK / 2;
-#pragma unroll
-      for (int i = 0; i < kTopK / 2; ++i) {
-        const longlong2 e = __ldg(v + i);
-        idx[2 * i] = kernels::narrow_index(e.x), idx[2 * i + 1] = kernels::narrow_index(e.y);
-      }
-    } else {
-      const int4* v = static_cast<const int4*>(in.idx) + t * kTopK / 4;
-#pragma unroll
-      for (int i = 0; i < kTopK / 4; ++i) {
-        const int4 e = __ldg(v + i);
-        idx[4 * i] = e.x, idx[4 * i + 1] = e.y, idx[4 * i + 2] = e.z, idx[4 * i + 3] = e.w;
-      }
-    }
-    load_row(in.grad, in.grad_bf16, t, top_k, grad);
+    for (int k = 0; k < kTopK; ++k) idx_[k] = k < top_k ? kernels::load_index(in, row + k) : -1;
+    load_row(in.grad, in.grad_bf16, row, top_k, grad);
     if (!in.scores_all) {
-      load_row(in.scores, in.scores_bf16, t, top_k, score);
+      load_row(in.scores, in.scores_bf16, row, top_k, score);
       return;
     }
-    const int64_t row = t * in.scores_stride;
+    const int64_t all = t * in.scores_stride;
 #pragma unroll
     for (int k = 0; k < kTopK; ++k) {
-      const int e = idx[k];
-      if (unsigned(e) >= unsigned(in.scores_stride)) score[k] = 0;  // (0.0f, either dtype)
-      else if (in.scores_bf16) score[k] = __ldg(static_cast<const unsigned short*>(in.scores) + row + e);
-      else score[k] = __ldg(static_cast<const unsigned int*>(in.scores) + row + e);
+      const int e = idx_[k];
+      if (unsigned(e) >= unsigned(in.scores_stride)) score[k] = 0;
+      else if (in.scores_bf16) score[k] = __ldg(static_cast<const unsigned short*>(in.scores) + all + e);
+      else score[k] = __ldg(static_cast<const unsigned int*>(in.scores) + all + e);
     }
   }
 };
@@ -125,10 +126,18 @@ __device__ __forceinline__ void prefetch_row(const void* base, int64_t t, int k,
   prefetch_l1_span(first, first + (k - 1) * bytes);
 }
 
-// Row t's indices fetched into L1 (TokenRouting's comment says when).
-__device__ __forceinline__ void prefetch_indices(const kernels::RoutingInputs& in, int64_t t,
-                                                 int64_t tokens, int k) {
-  if (t < tokens) prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
+// kAnyK, where indices are needed as they arrive (TokenRouting): row t's indices fetched into
+// L1 and, with the scores of all experts, its score row into L2.
+__device__ __forceinline__ void prefetch_gather_rows(const kernels::RoutingInputs& in, int64_t t,
+                                                     int64_t tokens, int k) {
+  if (t >= tokens) return;
+  prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
+  if (!in.scores_all) return;
+  const int bytes = in.scores_bf16 ? 2 : 4;
+  const char* row = static_cast<const char*>(in.scores) + t * in.scores_stride * bytes;
+  for (int o = 0; o < in.scores_stride * bytes; o += 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + o));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(row + in.scores_stride * bytes - 1));
 }
 
 // One token's [T, K] routing inputs fetched into L1 ahead of their loads (TokenRouting::load
@@ -195,9 +204,9 @@ __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
   float s[kTopK], g[kTopK];
 #pragma unroll
   for (int k = 0; k < kTopK; ++k) s[k] = in.score_at(dtypes, k), g[k] = in.grad_at(dtypes, k);
-  const int* e = in.idx;
+  const int* e = in.idx();
   float v[kTopK];
-  if (rounding == GradRounding::kTorchBf16) {
+  if (kAnyK && rounding == GradRounding::kTorchBf16) {  // (the fixed-K kernels never round so)
     float sb[kTopK], gs[kTopK];
     float sum_s = 0.0f, dot = 0.0f;
 #pragma unroll
