@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 W, H = 460, 300  # one panel
 LEFT, RIGHT, TOP, BOTTOM = 58, 16, 34, 44
-COLORS = {"fused": "#1f77b4", "precise": "#9467bd", "unfused": "#d62728", "sol": "#2ca02c"}
+COLORS = {"fused": "#1f77b4", "precise": "#9467bd", "unfused": "#d62728", "sol": "#2ca02c",
+          "ceiling": "#7f7f7f"}
 
 
 def log_ticks(lo, hi):
@@ -89,14 +90,22 @@ def panel(x0, y0, title, xs, series, ylog, ylabel, ymin=None, ymax=None):
 def section_panels(sec, name, x0, y0):
     cases = sorted(sec["cases"], key=lambda c: c["tokens"])
     xs = [c["tokens"] for c in cases]
-    series = [("fused", COLORS["fused"], [c["fused_us"] for c in cases], False)]
-    if all(c.get("precise_us") for c in cases):
-        series.append(("fused, precise", COLORS["precise"], [c["precise_us"] for c in cases], False))
-    series += [("unfused", COLORS["unfused"], [c["unfused_us"] for c in cases], False),
-               ("speed of light", COLORS["sol"], [c["sol_us"] for c in cases], True)]
-    time = panel(x0, y0, f"{name}: time (µs)", xs, series, True, "µs")
-    pct = [("fused", COLORS["fused"], [100 * c["sol_us"] / c["fused_us"] for c in cases], False),
-           ("unfused", COLORS["unfused"], [100 * c["sol_us"] / c["unfused_us"] for c in cases],
+    # Single calls where the section has them (and its copy ceiling), else back to back.
+    single = all("single_us" in c for c in cases)
+    key = (lambda k: {"fused": "single_us", "precise": "precise_single_us",
+                      "unfused": "unfused_single_us"}[k]) if single else (lambda k: k + "_us")
+    series = [("fused", COLORS["fused"], [c[key("fused")] for c in cases], False)]
+    if all(c.get(key("precise")) for c in cases):
+        series.append(("fused, precise", COLORS["precise"], [c[key("precise")] for c in cases],
+                       False))
+    series.append(("unfused", COLORS["unfused"], [c[key("unfused")] for c in cases], False))
+    if single:
+        series.append(("copy ceiling", COLORS["ceiling"], [c["ceiling_us"] for c in cases], True))
+    series.append(("speed of light", COLORS["sol"], [c["sol_us"] for c in cases], True))
+    how = "single calls" if single else "back to back"
+    time = panel(x0, y0, f"{name}: time (µs, {how})", xs, series, True, "µs")
+    pct = [("fused", COLORS["fused"], [100 * c["sol_us"] / c[key("fused")] for c in cases], False),
+           ("unfused", COLORS["unfused"], [100 * c["sol_us"] / c[key("unfused")] for c in cases],
             False)]
     sol = panel(x0 + W, y0, f"{name}: % of speed of light (mean {sec['mean_sol_pct']:.1f}%)", xs,
                 pct, False, "% SOL", 0, 100)
@@ -107,13 +116,18 @@ def main():
     src = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benches/results/h200.json"
     dst = Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".svg")
     d = json.loads(src.read_text())
-    sections = [("Backward", d)] + ([("Forward", d["forward"])] if "forward" in d else [])
+    sections = [("Backward", d)]
+    if d.get("public_range"):
+        sections.append(("Backward, public range", d["public_range"]))
+    if "forward" in d:
+        sections.append(("Forward", d["forward"]))
     height = H * len(sections) + 30
     body = []
     for i, (name, sec) in enumerate(sections):
         body += section_panels(sec, name, 0, H * i)
     body.append(f'<text x="8" y="{height - 10}" font-size="10" fill="#555">{d["device"]}; '
-                f'cargo bench (CUDA graph replay, medians); {src.name}</text>')
+                f'cargo bench, medians (single calls after an L2 flush where the panel says '
+                f'so, else back to back from CUDA graph replay); {src.name}</text>')
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * W}" height="{height}" '
            f'font-family="sans-serif"><rect width="100%" height="100%" fill="white"/>'
            + "\n".join(body) + "</svg>\n")
