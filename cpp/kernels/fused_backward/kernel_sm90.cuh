@@ -421,10 +421,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   // Vector v written: four floats, or four bf16 (8 bytes).
   auto store_grad_w_vec = [&](int64_t slice, int v, float4 f) {
     if (Cfg::kAnyK && p.grad_w_bf16) {  // (the fixed-K kernels write f32 grad_w alone)
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y), hi = __floats2bfloat162_rn(f.z, f.w);
-      __stcg(reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.grad_w) + grad_w_at(slice, v)),
-             make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
-                        *reinterpret_cast<const uint32_t*>(&hi)));
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(f.z, f.w);
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.grad_w) + grad_w_at(slice, v);
+      __stcg(reinterpret_cast<uint2*>(out), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                       *reinterpret_cast<const uint32_t*>(&hi)));
     } else {
       __stcg(grad_w_vec(slice, v), f);
     }
