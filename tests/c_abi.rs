@@ -376,23 +376,23 @@ fn backward_dtypes_are_checked_before_cuda() {
         ..host_backward_args(&host, 7)
     };
     assert!(device_pass(call(&v1)));
+    let with_dtypes = |(idx, sc, g, gw): (i32, i32, i32, i32)| BackwardArgs {
+        topk_idx_dtype: idx,
+        scores_dtype: sc,
+        grad_topk_weights_dtype: g,
+        grad_w_dtype: gw,
+        ..host_backward_args(&host, 7)
+    };
     // Each accepted dtype, and the declared ones named.
-    for (idx, sc, g, gw) in [
+    for d in [
         (I32, F32, F32, F32),
         (I64, BF16, BF16, BF16),
         (0, BF16, 0, BF16),
     ] {
-        let b = BackwardArgs {
-            topk_idx_dtype: idx,
-            scores_dtype: sc,
-            grad_topk_weights_dtype: g,
-            grad_w_dtype: gw,
-            ..host_backward_args(&host, 7)
-        };
-        assert!(device_pass(call(&b)), "{idx} {sc} {g} {gw}");
+        assert!(device_pass(call(&with_dtypes(d))), "{d:?}");
     }
     // Dtypes a field does not take.
-    for (idx, sc, g, gw) in [
+    for d in [
         (F32, 0, 0, 0),
         (BF16, 0, 0, 0),
         (5, 0, 0, 0),
@@ -401,14 +401,7 @@ fn backward_dtypes_are_checked_before_cuda() {
         (0, 0, I32, 0),
         (0, 0, 0, I64),
     ] {
-        let b = BackwardArgs {
-            topk_idx_dtype: idx,
-            scores_dtype: sc,
-            grad_topk_weights_dtype: g,
-            grad_w_dtype: gw,
-            ..host_backward_args(&host, 7)
-        };
-        assert_eq!(call(&b), INVALID_CONFIG, "{idx} {sc} {g} {gw}");
+        assert_eq!(call(&with_dtypes(d)), INVALID_CONFIG, "{d:?}");
     }
     // The scores in one form only.
     let both = BackwardArgs {
