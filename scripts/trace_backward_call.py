@@ -47,7 +47,7 @@ TRAINING = (False, False, False, False, False)
 
 def inputs(tokens, dt):
     """Random inputs of one call (never zeros) in dtypes `dt`."""
-    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt
+    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt[:5]
     dev = "cuda"
     x = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
     w = torch.randn(E, H, device=dev, dtype=torch.bfloat16) * 0.02
@@ -60,6 +60,12 @@ def inputs(tokens, dt):
                  real(scores_bf16)),
              grad=grad.to(real(grad_bf16)),
              grad_w=torch.empty(E, H, device=dev, dtype=real(grad_w_bf16)))
+    if len(dt) > 5 and dt[5]:  # the [T, K] rows one element off 16-byte alignment
+        for key in ("idx", "scores", "grad"):
+            flat = t[key].flatten()
+            buf = torch.empty(flat.numel() + 1, device=dev, dtype=flat.dtype)
+            buf[1:].copy_(flat)
+            t[key] = buf[1:]
     t.update(x=x, w=w, grad_x=torch.empty_like(x))
     ws = _lib.load().moe_routing_backward_workspace_bytes(ctypes.byref(config()), tokens)
     t["workspace"] = torch.zeros(ws, device=dev, dtype=torch.uint8)  # once, as the C ABI asks
@@ -67,7 +73,7 @@ def inputs(tokens, dt):
 
 
 def args(tokens, t, dt):
-    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt
+    idx64, all_scores, scores_bf16, grad_bf16, grad_w_bf16 = dt[:5]
     p = lambda v, ty: ctypes.cast(ctypes.c_void_p(v.data_ptr()), ctypes.POINTER(ty))
     a = _lib.MoeRoutingBackwardArgs(
         struct_size=ctypes.sizeof(_lib.MoeRoutingBackwardArgs),
@@ -143,7 +149,9 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="*", default=[1264, 7680, 512, 32768])
     ap.add_argument("--json")
     ap.add_argument("--sweep", action="store_true",
-                    help="also each dtype of the PyTorch interface alone, beside the training's")
+                    help="also each dtype of the PyTorch interface alone, beside the training's, and the "
+                         "training's with rows off 16-byte alignment (the any-K kernels)")
+    ap.add_argument("--only", help="run only the variant of this label (e.g. 'training dtypes')")
     opts = ap.parse_args()
     rows, ok = [], True
     variants = [("pytorch dtypes", PYTORCH), ("training dtypes", TRAINING)]
@@ -151,6 +159,9 @@ def main():
         names = ["int64 idx", "all scores", "bf16 scores", "bf16 grads", "bf16 grad_w"]
         for i, n in enumerate(names):
             variants.append((n, tuple(j == i for j in range(5))))
+        variants.append(("unaligned rows", TRAINING + (True,)))
+    if opts.only:
+        variants = [v for v in variants if v[0] == opts.only]
     for tokens in opts.tokens:
         for label, dt in variants:
             ops, host_us, single_us = trace(tokens, dt)

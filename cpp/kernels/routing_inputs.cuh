@@ -21,6 +21,10 @@ struct RoutingInputs {
   bool scores_all = false;
   bool scores_bf16 = false;
   bool grad_bf16 = false;
+  // K = 8 and a 16-byte aligned base: rows loadable as 16-byte vectors (the fused kernels'
+  // RowFormat::kTorch).
+  bool idx_rows16 = false;
+  bool grad_rows16 = false;
 };
 
 // An int64 index outside [0, 2^31) becomes -1: out of [0, E), so it contributes nothing.

@@ -45,7 +45,7 @@ int active_clusters(int device, int64_t experts, int k) {
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
   int n = 0;
-  switch (experts) {  // (the any-K kernels use the same shared memory as K = 8's)
+  switch (experts) {  // (the any-K kernels, like K = 8's, fit one CTA per SM)
     case 64: n = fused_backward_active_clusters<64, kAnyTopK>(k, device); break;
     case 128: n = fused_backward_active_clusters<128, 8>(k, device); break;
     case 160: n = fused_backward_active_clusters<160, 8>(k, device); break;
@@ -135,13 +135,18 @@ bool fused_backward_supported(const RouterConfig& cfg) {
          cfg.hidden_size / 64 <= kMaxCounterSlices;
 }
 
-size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
+size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
   // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (256
   // experts: 64-column slices, one CTA each, no partials.)
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = ceil_div(tokens, kTileT) * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  return size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  const size_t partials = size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  return (partials + 255) / 256 * 256;
+}
+
+size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
+  return fused_backward_compact_offset(cfg, tokens) + size_t(tokens) * 32;
 }
 
 // Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16

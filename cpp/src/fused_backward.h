@@ -9,11 +9,12 @@
 
 namespace moe_routing::detail {
 
-// The workspace starts with the fused kernel's grad_w counters (zero between launches), so
-// that every path leaves them intact: tickets [kMaxCounterSlices], then readers
-// [kMaxCounterSlices]. The rest is per-path scratch.
-constexpr size_t kTicketBytes = 2048;
-constexpr int kMaxCounterSlices = int(kTicketBytes / 2 / sizeof(int));
+// The workspace starts with the fused kernel's counters (zero between launches), so that every
+// path leaves them intact: grad_w tickets [kMaxCounterSlices], readers [kMaxCounterSlices], then
+// the compact rows' two (kCompactCounterOffset). The rest is per-path scratch.
+constexpr int kMaxCounterSlices = 256;
+constexpr size_t kCompactCounterOffset = 2 * kMaxCounterSlices * sizeof(int);
+constexpr size_t kTicketBytes = kCompactCounterOffset + 256;
 // Upper bound on the persistent grid (one CTA per SM), for workspace sizing.
 constexpr int kFusedMaxCtas = 160;
 
@@ -21,8 +22,10 @@ constexpr int kFusedMaxCtas = 160;
 // precision.
 bool fused_backward_supported(const RouterConfig& cfg);
 
-// Scratch bytes after the tickets for the fused kernel (grad_w partials).
+// Scratch bytes after the tickets for the fused kernel: grad_w partials, then (from
+// fused_backward_compact_offset) a compact routing row of 32 bytes per token.
 size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
+size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens);
 
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);
@@ -40,6 +43,10 @@ inline kernels::RoutingInputs routing_inputs(const RouterConfig& cfg, const Back
   in.scores_all = all;
   in.scores_bf16 = scores.dtype == DType::kBF16;
   in.grad_bf16 = a.grad_topk_weights.dtype == DType::kBF16;
+  const bool k8 = cfg.num_experts_per_tok == 8;
+  auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  in.idx_rows16 = k8 && aligned16(in.idx);
+  in.grad_rows16 = k8 && aligned16(in.grad);
   return in;
 }
 
@@ -50,6 +57,17 @@ inline bool training_dtypes(const BackwardArgs& a) {
   return a.topk_idx.dtype == DType::kI32 && a.scores.data == nullptr &&
          a.topk_scores.dtype == DType::kF32 && a.grad_topk_weights.dtype == DType::kF32 &&
          a.grad_w.dtype == DType::kF32 && a.precision != Precision::kTorchBf16;
+}
+
+// PyTorch's dtypes, which the any-K kernels read once per launch into compact rows
+// (kernel_sm90.cuh: compact_routing_rows): K = 8, int64 indices, bf16 scores of all experts, bf16
+// gradients, the index and gradient rows 16-byte aligned; not precise mode's residual sweep.
+inline bool compact_rows(const RouterConfig& cfg, const BackwardArgs& a) {
+  const auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  return cfg.num_experts_per_tok == 8 && a.topk_idx.dtype == DType::kI64 &&
+         a.scores.data != nullptr && a.scores.dtype == DType::kBF16 &&
+         a.grad_topk_weights.dtype == DType::kBF16 && aligned16(a.topk_idx.data) &&
+         aligned16(a.grad_topk_weights.data) && a.precision != Precision::kPrecise;
 }
 
 // The [T, K] routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as

@@ -76,6 +76,13 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.sum = plan.sum;
   p.per_slice = plan.per_slice;
   p.top_k = top_k;
+  p.skew = Cfg::kSkew && top_k < 8;
+  using kernels::fused_backward::CompactRow;
+  if (Cfg::kAnyK && passes == kernels::fused_backward::kPassG && compact_rows(cfg, a)) {
+    p.compact = reinterpret_cast<CompactRow*>(a.workspace.data + kTicketBytes +
+                                              fused_backward_compact_offset(cfg, T));
+    p.compact_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);
+  }
   p.sched.tiles = ceil_div(T, Cfg::kTileT);
   p.sched.slices = H / Cfg::kTileH;
   p.sched.ctas = plan.ctas;

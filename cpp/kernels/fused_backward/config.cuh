@@ -49,9 +49,9 @@ struct Config {
   // 1, 2, 3 and 5 on an H200), in CTAs of at least kRoutingPrefetchMinUnits units.
   static constexpr int kRoutingPrefetch = 3;
   static constexpr int kRoutingPrefetchMinUnits = 32;
-  // The consumer warpgroups start a launch out of step (warpgroup 1 once warpgroup 0's first
-  // grad_x is out) where that was measured faster: the 128-column any-K kernels (BENCHMARKS.md
-  // v18: 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160). (The role-split
+  // The consumer warpgroups may start a launch out of step (warpgroup 1 once warpgroup 0's first
+  // grad_x is out): the 128-column any-K kernels, where K < 8 (Params::skew; BENCHMARKS.md v18:
+  // 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160). (The role-split
   // kernels' warpgroups run out of step by their roles.)
   static constexpr bool kSkew = kAnyK && !kRoleSplit;
   static constexpr int kStagesX = kStagesX_;
@@ -141,6 +141,8 @@ struct Config {
     alignas(1024) Elem gx[cosize_v<SmemLayoutGX>];
     // Experts each builder set in a G stage, so that it clears just those next time.
     alignas(16) uint8_t set_experts[kStagesG][kTileT][kTopK];
+    // kAnyK: each builder's row of staged indices (routing_grad_tile.cuh: stage_indices).
+    alignas(16) uint8_t idx_rows[kAnyK ? kTileT : 1][kTopK * 8];
     alignas(8) uint64_t x_full[kStagesX];   // x landed (TMA transaction count)
     alignas(8) uint64_t x_empty[kStagesX];  // wgrad done with it
     alignas(8) uint64_t g_full[kStagesG];   // G built (builder threads)

@@ -67,6 +67,11 @@ struct Params {
   int per_slice = 1;
   LinearSchedule sched{};
   int top_k = 0;  // K, 1 ... Config::kTopK (read where Config::kAnyK)
+  // RowFormat::kTorch inputs (Config::kAnyK, G's sweep alone): each token's G row packed once per
+  // launch into compact[T] (compact_routing_rows), and the units read those. null: not so.
+  CompactRow* compact = nullptr;
+  int* compact_counters = nullptr;  // 2 ints, zero between launches: CTAs that packed, that read
+  bool skew = false;  // Config::kSkew: the consumer warpgroups start out of step (K < 8)
 };
 
 // Adds one to a grad_w counter, release at GPU scope.
@@ -96,7 +101,9 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
 
 // Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
 // producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
-enum : uint32_t { kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5 };
+enum : uint32_t {
+  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6
+};
 constexpr uint32_t kSpreadBarThreads = 256 + 32;
 
 template <class Cfg, class P>
@@ -156,7 +163,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       Barrier::init(&smem.g_full[s], Cfg::kBuilders);
       Barrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
     }
-    if constexpr (Cfg::kSkew) Barrier::init(&smem.skew, 1);
+    if (Cfg::kSkew && p.skew) Barrier::init(&smem.skew, 1);
     if constexpr (Cfg::kRoleSplit) Barrier::init(&smem.grad_w_staged, 128);
     cutlass::arch::fence_barrier_init();
   }
@@ -196,77 +203,141 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       for (int n = 0; n < kAhead && n < total; ++n) load_x(n);
     const uint32_t g_stages = cute::cast_smem_ptr_to_uint(smem.g);
     constexpr uint32_t kGStageBytes = kTileT * kExperts * 2;
-    // Routing inputs are loaded a unit ahead and packed at the end of the previous iteration:
-    // their latency hides behind a whole build, and only the packed row stays live.
-    TokenRouting<Cfg::kTopK, Cfg::kAnyK> loaded;
-    UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
-    // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
-    // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
-    // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
-    // T <= 4096, where the prefetches delay the start). Not in the 64-column kernels: small T,
-    // and 256 experts at every T, where it made the producer spill and ran slower (BENCHMARKS.md
-    // "After v16").
-    constexpr int kPrefetch = Cfg::kRoleSplit ? 0 : Cfg::kRoutingPrefetch;
-    const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
-    UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
-    int pf_next = 0;                   // ... and its index
-    auto prefetch_next = [&] {         // units in order
-      if (pf_next < total) {
-        if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
-        prefetch_token_routing<Cfg::kTopK, Cfg::kAnyK>(
-            p.routing, int64_t(pf_unit.tile) * kTileT + thread, p.tokens, p.top_k);
-        pf_unit.next(tiles);
-        ++pf_next;
-      }
-    };
-    if constexpr (kPrefetch > 0) {
-      if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
-        for (int i = 0; i < kPrefetch; ++i) prefetch_next();
-    }
-    // Indices needed as they arrive (TokenRouting, kAnyK) are fetched a unit ahead.
-    const bool early_indices = Cfg::kAnyK && (p.routing.idx_i64 || p.routing.scores_all);
-    UnitCursor idx_unit = g_unit;  // unit of the next index prefetch
-    int idx_next = 0;              // ... and its index
-    auto prefetch_indices_next = [&] {  // units in order
-      if (idx_next < total) {
-        if (idx_next == count) idx_unit = UnitCursor(unit0, tiles);
-        prefetch_gather_rows(p.routing, int64_t(idx_unit.tile) * kTileT + thread, p.tokens,
-                             p.top_k);
-        idx_unit.next(tiles);
-        ++idx_next;
-      }
-    };
-    auto load_routing = [&](int n) {  // units in order
+    // The units' G, from routing rows in `format` (RowFormat, routing_grad_tile.cuh): the
+    // fixed-K kernels read kTraining; the any-K kernels kTorch where the inputs allow it, else
+    // kAny (one producer loop per format, chosen once).
+    auto build_units = [&](auto format) {
+      using Routing = TokenRouting<Cfg::kTopK, decltype(format)::value>;
+      constexpr bool kAnyRows = decltype(format)::value == RowFormat::kAny;
+      // Routing inputs are loaded a unit ahead and packed at the end of the previous
+      // iteration: their latency hides behind a whole build, and only the packed row stays live.
+      Routing loaded;
+      UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
+      // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
+      // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
+      // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
+      // T <= 4096, where the prefetches delay the start). Not in the 64-column kernels: small
+      // T, and 256 experts at every T, where it made the producer spill and ran slower
+      // (BENCHMARKS.md "After v16").
+      // (Compact rows are read through L2 alone.)
+      constexpr int kPrefetch =
+          Cfg::kRoleSplit || decltype(format)::value == RowFormat::kCompact ? 0
+                                                                          : Cfg::kRoutingPrefetch;
+      const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
+      const int row_slots = kAnyRows ? p.top_k : Cfg::kTopK;
+      UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
+      int pf_next = 0;                   // ... and its index
+      auto prefetch_next = [&] {         // units in order
+        if (pf_next < total) {
+          if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
+          prefetch_token_routing(p.routing, int64_t(pf_unit.tile) * kTileT + thread, p.tokens,
+                                 row_slots);
+          pf_unit.next(tiles);
+          ++pf_next;
+        }
+      };
       if constexpr (kPrefetch > 0) {
-        if (prefetch) prefetch_next();  // unit n + kPrefetch
+        if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
+          for (int i = 0; i < kPrefetch; ++i) prefetch_next();
       }
-      if (early_indices) {
-        if (n == 0) prefetch_indices_next();  // (unit 0's: its load follows at once)
-        prefetch_indices_next();              // unit n + 1
+      // Staged indices: each unit's are copied into shared memory, and its score rows fetched
+      // into L2, a unit before its load.
+      UnitCursor stage_unit = g_unit;  // unit of the next staging
+      int stage_next = 0;              // ... and its index
+      auto stage_indices_next = [&](uint32_t after) {  // units in order
+        if constexpr (Routing::kMayStage) {
+          if (stage_next >= total) return;
+          if (stage_next == count) stage_unit = UnitCursor(unit0, tiles);
+          const int64_t t = int64_t(stage_unit.tile) * kTileT + thread;
+          Routing::stage_indices(p.routing, t, p.tokens, p.top_k,
+                                 cute::cast_smem_ptr_to_uint(smem.idx_rows[thread]), after);
+          prefetch_score_row_l2(p.routing, t, p.tokens);
+          stage_unit.next(tiles);
+          ++stage_next;
+        }
+      };
+      auto load_routing = [&](int n) {  // units in order
+        if constexpr (kPrefetch > 0) {
+          if (prefetch) prefetch_next();  // unit n + kPrefetch
+        }
+        if (n == count) g_unit = UnitCursor(unit0, tiles);
+        const int64_t t = int64_t(g_unit.tile) * kTileT + thread;
+        g_unit.next(tiles);
+        if constexpr (Routing::kMayStage) {
+          if (Routing::staged(p.routing)) {
+            if (n == 0) stage_indices_next(0);  // unit 0's, read at once
+            stage_indices_next(loaded.load_staged(p.routing, t, p.tokens, p.top_k,
+                                                  smem.idx_rows[thread]));  // unit n + 1's
+            return;
+          }
+        }
+        if constexpr (decltype(format)::value == RowFormat::kCompact)
+          loaded.load(p.compact, t, p.tokens);
+        else if constexpr (decltype(format)::value != RowFormat::kTorch)
+          loaded.load(p.routing, t, p.tokens, p.top_k);
+      };
+      PackedRow<Cfg::kTopK> row{};
+      if (count > 0) {
+        load_routing(0);
+        row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm, rounding_at(0));
+        MOE_ROUTING_TRACE(thread == 0, 8);
       }
-      if (n == count) g_unit = UnitCursor(unit0, tiles);
-      loaded.load(p.routing, int64_t(g_unit.tile) * kTileT + thread, p.tokens, p.top_k);
-      g_unit.next(tiles);
+      for (int n = 0; n < total; ++n) {
+        const int s = n % kStagesG;
+        if (n + 1 < total) load_routing(n + 1);
+        Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
+        if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
+        store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
+                                       smem.set_experts[s][thread], row);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
+        Barrier::arrive(&smem.g_full[s]);
+        MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
+        if (n + 1 < total)
+          row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
+                                                rounding_at(n + 1));
+      }
     };
-    PackedRow<Cfg::kTopK> row{};
-    if (count > 0) {
-      load_routing(0);
-      row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm, rounding_at(0));
-      MOE_ROUTING_TRACE(thread == 0, 8);
-    }
-    for (int n = 0; n < total; ++n) {
-      const int s = n % kStagesG;
-      if (n + 1 < total) load_routing(n + 1);
-      Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
-      if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
-      store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
-                                     smem.set_experts[s][thread], row);
-      cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
-      Barrier::arrive(&smem.g_full[s]);
-      MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
-      if (n + 1 < total)
-        row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
-                                                    rounding_at(n + 1));
+    // Compact rows: the producers of all CTAs first pack every token's G row once (token t by
+    // thread t / ctas % 128 of CTA t % ctas), into global memory; once all CTAs have (a grid
+    // barrier: the grid is at most one CTA per SM, all resident), each unit reads its tile's
+    // packed rows (32 bytes a token) instead of gathering and packing them again, which every
+    // one of the H / kTileH slices' units did: the gathers' L2 requests, 8 scattered sectors a
+    // token, were the PyTorch dtypes' bound (BENCHMARKS.md v22).
+    auto compact_routing_rows = [&] {
+      if constexpr (Cfg::kAnyK) {
+        const int64_t ctas = gridDim.x;
+        for (int64_t t = cta + ctas * thread; t < p.tokens; t += ctas * kTileT) {
+          TokenRouting<Cfg::kTopK, RowFormat::kTorch> r;
+          r.load_direct(p.routing, t);
+          store_compact_row(p.compact, t,
+                            pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm,
+                                                            rounding_at(0)));
+        }
+        // One release for the CTA (the barrier orders every builder's stores before it); the
+        // last CTA past the wait resets both counters for the next launch.
+        cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
+        if (thread == 0) {
+          int* packed = p.compact_counters;
+          red_release_add(packed);
+          while (ld_acquire(packed) < int(ctas)) {
+          }
+          if (ticket_acq_rel(packed + 1) == int(ctas) - 1) packed[0] = 0, packed[1] = 0;
+        }
+        cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
+      }
+    };
+    using Format = RowFormat;
+    if constexpr (!Cfg::kAnyK) {
+      build_units(std::integral_constant<Format, Format::kTraining>{});
+    } else {
+      if (p.compact != nullptr) {
+        compact_routing_rows();
+        build_units(std::integral_constant<Format, Format::kCompact>{});
+      } else if (torch_rows(p.routing, p.top_k)) {
+        build_units(std::integral_constant<Format, Format::kTorch>{});
+      } else {
+        build_units(std::integral_constant<Format, Format::kAny>{});
+      }
     }
     if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
       cluster_arrive_relaxed();
@@ -694,7 +765,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // grad_x store included; with two sweeps the first unit is a residual one and has none),
     // so that from then on one warpgroup's wgmmas tend to run while the other stores and
     // waits. An mbarrier, once per launch.
-    if (Cfg::kSkew && wg == 1) Barrier::wait(&smem.skew, 0);
+    if (Cfg::kSkew && p.skew && wg == 1) Barrier::wait(&smem.skew, 0);
     for (int n = 0; n < total; ++n) {
       if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
@@ -711,7 +782,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_fence_operand(acc_d);
         store_grad_x(slice, tile);
       }
-      if (Cfg::kSkew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
+      if (Cfg::kSkew && p.skew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit(n);

@@ -16,23 +16,41 @@
 
 namespace moe_routing::kernels::fused_backward {
 
+// How a kernel's builders read their routing rows (TokenRouting).
+enum class RowFormat {
+  kTraining,  // K = kTopK: int32 indices, f32 [T, K] scores and gradients, as 16-byte vectors
+  kAny,       // any K <= kTopK and every dtype, element by element, the dtypes read at run time
+  kTorch,     // K = 8: int64 indices, bf16 scores of all experts, bf16 gradients, rows 16-byte
+              // aligned (PyTorch's own dtypes, the public benchmark's interface)
+  kCompact,   // kTorch's rows, packed once per launch (compact_routing_rows): CompactRow
+};
+
+// Whether a kernel of any K may read these inputs as RowFormat::kTorch.
+__device__ __forceinline__ bool torch_rows(const kernels::RoutingInputs& in, int top_k) {
+  return top_k == 8 && in.idx_i64 && in.scores_all && in.scores_bf16 && in.grad_bf16 &&
+         in.idx_rows16 && in.grad_rows16;
+}
+
 // One token's routing inputs, held in registers: the loads are issued before the builder
 // waits for a free stage, and their values are used only when the row is packed, after it, so
 // that their latency hides behind the wait. kTopK slots per token.
-//   Fixed K (K = kTopK): the training dtypes alone (int32 indices, f32 [T, K] scores and
-//   gradients), each row loaded as 16-byte vectors (the host launches these kernels for those
+//   kTraining: each row loaded as 16-byte vectors (the host launches these kernels for those
 //   dtypes, 16-byte aligned rows and K = kTopK only).
-//   kAnyK: any K <= kTopK given at run time and every dtype, loaded element by element (a row
+//   kAny: any K <= kTopK given at run time and every dtype, loaded element by element (a row
 //   need not be 16-byte aligned), the unused slots holding expert -1 (never stored) and score
 //   and gradient 0 (adding nothing). Scores and gradients stay as loaded (raw words) until
-//   the row is packed: converting bf16 right after the load would wait for it there. Indices
-//   are needed as they arrive where they are int64 (narrowed) or address the scores of all
-//   experts ([T, E], gathered at the chosen ones): there the producer waits for them, and the
-//   kernel fetches their rows into L1, and the score rows into L2, a unit ahead
-//   (prefetch_gather_rows) to keep that wait short.
-template <int kTopK, bool kAnyK = false>
+//   the row is packed: converting bf16 right after the load would wait for it there.
+//   kTorch: kAny's work for one combination of dtypes, with the branches on them and on K
+//   compiled away (kAny's run-time dtypes cost ~2 µs per unit in instructions alone).
+// Staged indices (kAny with int64 indices or the scores of all experts, and kTorch): each
+// builder copies its row of indices into shared memory a unit ahead (stage_indices, cp.async),
+// so that the load reads them there and issues the gather they address at once (load_staged);
+// the score rows are fetched into L2 at the same time.
+template <int kTopK, RowFormat kFormat = RowFormat::kTraining>
 struct TokenRouting {
   static_assert(kTopK % 4 == 0, "slots as 16-byte vectors");
+  static constexpr bool kMayStage = false;
+  static constexpr bool kTorchRounding = false;  // (the fixed-K kernels never round so)
   int4 idx4[kTopK / 4];
   float4 score4[kTopK / 4];
   float4 grad4[kTopK / 4];
@@ -60,10 +78,36 @@ struct TokenRouting {
   }
 };
 
+__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int bytes) {
+  if (bytes == 16)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+  else if (bytes == 8)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// 0, computed from v: a value the compiler cannot see through, so that what uses it waits for v.
+__device__ __forceinline__ uint32_t zero_after(uint32_t v) {
+  uint32_t zero;
+  asm volatile("and.b32 %0, %1, 0;" : "=r"(zero) : "r"(v));
+  return zero;
+}
+
+// Staged indices: each builder's row in shared memory holds at most kTopK int64 values.
 template <int kTopK>
-struct TokenRouting<kTopK, true> {
+constexpr int kStagedRowBytes = kTopK * 8;
+
+template <int kTopK>
+struct TokenRouting<kTopK, RowFormat::kAny> {
+  static constexpr bool kMayStage = true;
+  static constexpr bool kTorchRounding = true;
   int idx_[kTopK];
-  // Raw words: f32 bits, or a bf16 in the low half.
+  // Raw words: f32 bits, or a bf16 in the low half (the high half ignored).
   uint32_t score[kTopK];
   uint32_t grad[kTopK];
   bool valid;
@@ -78,6 +122,9 @@ struct TokenRouting<kTopK, true> {
   __device__ __forceinline__ float grad_at(const kernels::RoutingInputs& in, int k) const {
     return real(grad[k], in.grad_bf16);
   }
+  __device__ __forceinline__ static bool staged(const kernels::RoutingInputs& in) {
+    return in.idx_i64 || in.scores_all;
+  }
 
   // One word per slot of a [T, K] row of reals, as loaded (0 beyond K: 0.0f in either dtype).
   __device__ __forceinline__ static void load_row(const void* base, bool bf16, int64_t row,
@@ -90,18 +137,8 @@ struct TokenRouting<kTopK, true> {
     }
   }
 
-  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
-                                       int64_t tokens, int top_k) {
-    valid = t < tokens;
-    if (!valid) return;
-    const int64_t row = t * top_k;
-#pragma unroll
-    for (int k = 0; k < kTopK; ++k) idx_[k] = k < top_k ? kernels::load_index(in, row + k) : -1;
-    load_row(in.grad, in.grad_bf16, row, top_k, grad);
-    if (!in.scores_all) {
-      load_row(in.scores, in.scores_bf16, row, top_k, score);
-      return;
-    }
+  // The chosen experts' scores of token t, from the scores of all experts (idx_ loaded).
+  __device__ __forceinline__ void gather_scores(const kernels::RoutingInputs& in, int64_t t) {
     const int64_t all = t * in.scores_stride;
 #pragma unroll
     for (int k = 0; k < kTopK; ++k) {
@@ -111,7 +148,173 @@ struct TokenRouting<kTopK, true> {
       else score[k] = __ldg(static_cast<const unsigned int*>(in.scores) + all + e);
     }
   }
+
+  // The gradients and scores of token t, its indices loaded.
+  __device__ __forceinline__ void load_reals(const kernels::RoutingInputs& in, int64_t t,
+                                             int top_k) {
+    const int64_t row = t * top_k;
+    load_row(in.grad, in.grad_bf16, row, top_k, grad);
+    if (in.scores_all) gather_scores(in, t);
+    else load_row(in.scores, in.scores_bf16, row, top_k, score);
+  }
+
+  __device__ __forceinline__ void load(const kernels::RoutingInputs& in, int64_t t,
+                                       int64_t tokens, int top_k) {
+    valid = t < tokens;
+    if (!valid) return;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k)
+      idx_[k] = k < top_k ? kernels::load_index(in, t * top_k + k) : -1;
+    load_reals(in, t, top_k);
+  }
+
+  // Copies row t's indices to `dst` (shared memory) in the background. `after` is 0, computed
+  // from the indices last read from `dst` (load_staged's return): the copies are issued only
+  // once those reads have returned, so that they cannot overwrite the row before it is read.
+  __device__ __forceinline__ static void stage_indices(const kernels::RoutingInputs& in,
+                                                       int64_t t, int64_t tokens, int top_k,
+                                                       uint32_t dst, uint32_t after) {
+    if (t >= tokens) return;
+    dst += after;
+    const int bytes = in.idx_i64 ? 8 : 4;
+    const char* src = static_cast<const char*>(in.idx) + t * top_k * bytes;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k)
+      if (k < top_k) cp_async(dst + k * bytes, src + k * bytes, bytes);
+    cp_async_commit();
+  }
+
+  // load of token t, its indices read from `staged` (shared memory, stage_indices' copy).
+  // Returns 0, computed from every index read (stage_indices' `after`).
+  __device__ __forceinline__ uint32_t load_staged(const kernels::RoutingInputs& in, int64_t t,
+                                                  int64_t tokens, int top_k,
+                                                  const unsigned char* staged) {
+    valid = t < tokens;
+    if (!valid) return 0;
+    cp_async_wait_all();
+    uint32_t all = 0;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      int e = -1;
+      if (k < top_k)
+        e = in.idx_i64 ? kernels::narrow_index(reinterpret_cast<const long long*>(staged)[k])
+                       : reinterpret_cast<const int*>(staged)[k];
+      idx_[k] = e;
+      all |= uint32_t(e);
+    }
+    load_reals(in, t, top_k);
+    return zero_after(all);
+  }
 };
+
+template <int kTopK>
+struct TokenRouting<kTopK, RowFormat::kTorch> {
+  static_assert(kTopK == 8, "rows of 8 slots: one 16-byte vector of bf16 gradients");
+  static constexpr bool kMayStage = true;
+  static constexpr bool kTorchRounding = true;
+  int idx_[kTopK];
+  uint32_t score[kTopK];  // bf16 bits in the low half
+  uint4 grad4;            // the row's bf16 gradients, as loaded
+  bool valid;
+
+  __device__ __forceinline__ const int* idx() const { return idx_; }
+  __device__ __forceinline__ float score_at(const kernels::RoutingInputs&, int k) const {
+    return __uint_as_float(score[k] << 16);
+  }
+  __device__ __forceinline__ float grad_at(const kernels::RoutingInputs&, int k) const {
+    const uint32_t w = reinterpret_cast<const uint32_t*>(&grad4)[k / 2];
+    return __uint_as_float(k % 2 ? w & 0xffff0000u : w << 16);
+  }
+  __device__ __forceinline__ static bool staged(const kernels::RoutingInputs&) { return true; }
+
+  __device__ __forceinline__ static void stage_indices(const kernels::RoutingInputs& in,
+                                                       int64_t t, int64_t tokens, int,
+                                                       uint32_t dst, uint32_t after) {
+    if (t >= tokens) return;
+    dst += after;
+    const char* src = static_cast<const char*>(in.idx) + t * kTopK * 8;
+#pragma unroll
+    for (int v = 0; v < kTopK * 8 / 16; ++v) cp_async(dst + 16 * v, src + 16 * v, 16);
+    cp_async_commit();
+  }
+
+  __device__ __forceinline__ uint32_t load_staged(const kernels::RoutingInputs& in, int64_t t,
+                                                  int64_t tokens, int,
+                                                  const unsigned char* staged) {
+    valid = t < tokens;
+    if (!valid) return 0;
+    grad4 = __ldg(static_cast<const uint4*>(in.grad) + t);
+    cp_async_wait_all();
+    uint32_t all = 0;
+#pragma unroll
+    for (int v = 0; v < kTopK / 2; ++v) {
+      const longlong2 pair = reinterpret_cast<const longlong2*>(staged)[v];
+      idx_[2 * v] = kernels::narrow_index(pair.x);
+      idx_[2 * v + 1] = kernels::narrow_index(pair.y);
+      all |= uint32_t(idx_[2 * v]) | uint32_t(idx_[2 * v + 1]);
+    }
+    gather_scores(in, t);
+    return zero_after(all);
+  }
+
+  // The whole load of token t at once, waiting for its indices (compact_routing_rows).
+  __device__ __forceinline__ void load_direct(const kernels::RoutingInputs& in, int64_t t) {
+    valid = true;
+    grad4 = __ldg(static_cast<const uint4*>(in.grad) + t);
+#pragma unroll
+    for (int v = 0; v < kTopK / 2; ++v) {
+      const longlong2 pair = __ldg(static_cast<const longlong2*>(in.idx) + t * (kTopK / 2) + v);
+      idx_[2 * v] = kernels::narrow_index(pair.x);
+      idx_[2 * v + 1] = kernels::narrow_index(pair.y);
+    }
+    gather_scores(in, t);
+  }
+
+  __device__ __forceinline__ void gather_scores(const kernels::RoutingInputs& in, int64_t t) {
+    const unsigned short* row = static_cast<const unsigned short*>(in.scores) + t * in.scores_stride;
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k)
+      score[k] = unsigned(idx_[k]) < unsigned(in.scores_stride) ? __ldg(row + idx_[k]) : 0u;
+  }
+};
+
+// One token's packed row of G (PackedRow, K = 8) in global memory, 32 bytes: experts and
+// valid bits, then the bf16 gradients. Written by compact_routing_rows once per launch, read by
+// every unit of the token's tile (RowFormat::kCompact).
+struct CompactRow {
+  uint4 experts;  // experts[0], experts[1], valid, 0
+  uint4 grads;
+};
+
+template <int kTopK>
+struct TokenRouting<kTopK, RowFormat::kCompact> {
+  static_assert(kTopK == 8, "a compact row holds 8 slots");
+  static constexpr bool kMayStage = false;
+  CompactRow row;
+  bool valid;
+
+  // Written in this launch by other CTAs: read through L2 (ld.global.cg), not the
+  // non-coherent path.
+  __device__ __forceinline__ void load(const CompactRow* rows, int64_t t, int64_t tokens) {
+    valid = t < tokens;
+    if (!valid) return;
+    const uint4* src = reinterpret_cast<const uint4*>(rows + t);
+    row.experts = __ldcg(src);
+    row.grads = __ldcg(src + 1);
+  }
+};
+
+// Token t's row of the scores of all experts fetched into L2 (staged indices: the
+// gather at its indices a unit later then finds it there).
+__device__ __forceinline__ void prefetch_score_row_l2(const kernels::RoutingInputs& in, int64_t t,
+                                                      int64_t tokens) {
+  if (t >= tokens || !in.scores_all) return;
+  const int bytes = in.scores_bf16 ? 2 : 4;
+  const char* row = static_cast<const char*>(in.scores) + t * in.scores_stride * bytes;
+  for (int o = 0; o < in.scores_stride * bytes; o += 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + o));
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(row + in.scores_stride * bytes - 1));
+}
 
 // The 128-byte line of `first`, and that of `last` where it is another one.
 __device__ __forceinline__ void prefetch_l1_span(const void* first, const void* last) {
@@ -126,30 +329,14 @@ __device__ __forceinline__ void prefetch_row(const void* base, int64_t t, int k,
   prefetch_l1_span(first, first + (k - 1) * bytes);
 }
 
-// kAnyK, where indices are needed as they arrive (TokenRouting): row t's indices fetched into
-// L1 and, with the scores of all experts, its score row into L2.
-__device__ __forceinline__ void prefetch_gather_rows(const kernels::RoutingInputs& in, int64_t t,
-                                                     int64_t tokens, int k) {
-  if (t >= tokens) return;
-  prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
-  if (!in.scores_all) return;
-  const int bytes = in.scores_bf16 ? 2 : 4;
-  const char* row = static_cast<const char*>(in.scores) + t * in.scores_stride * bytes;
-  for (int o = 0; o < in.scores_stride * bytes; o += 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(row + o));
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(row + in.scores_stride * bytes - 1));
-}
-
 // One token's [T, K] routing inputs fetched into L1 ahead of their loads (TokenRouting::load
 // then finds them there; ld.global.nc goes through L1). A row may cross a line, and the arrays
 // need not be aligned alike: each row's last line is fetched where it differs from its first.
 // (The scores of all experts are gathered where the indices point: not fetched.)
-template <int kTopK, bool kAnyK = false>
+// k: the row's slots (K).
 __device__ __forceinline__ void prefetch_token_routing(const kernels::RoutingInputs& in,
-                                                       int64_t t, int64_t tokens, int top_k) {
-  static_assert(kTopK * 8 <= 128, "a row spans at most two lines");
+                                                       int64_t t, int64_t tokens, int k) {
   if (t >= tokens) return;
-  const int k = kAnyK ? top_k : kTopK;
   prefetch_row(in.idx, t, k, in.idx_i64 ? 8 : 4);
   prefetch_row(in.grad, t, k, in.grad_bf16 ? 2 : 4);
   if (!in.scores_all) prefetch_row(in.scores, t, k, in.scores_bf16 ? 2 : 4);
@@ -195,9 +382,9 @@ enum class GradRounding : int {
 
 // The routing gradients of one token: scaling, normalization and sigmoid gradients, rounded
 // to bf16 as `rounding` says. Indices outside [0, E) contribute nothing.
-template <int kExperts, int kTopK, bool kAnyK>
+template <int kExperts, int kTopK, RowFormat kFormat>
 __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
-    const TokenRouting<kTopK, kAnyK>& in, const kernels::RoutingInputs& dtypes, float scale,
+    const TokenRouting<kTopK, kFormat>& in, const kernels::RoutingInputs& dtypes, float scale,
     bool norm, GradRounding rounding) {
   PackedRow<kTopK> out{};
   if (!in.valid) return out;
@@ -206,7 +393,7 @@ __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
   for (int k = 0; k < kTopK; ++k) s[k] = in.score_at(dtypes, k), g[k] = in.grad_at(dtypes, k);
   const int* e = in.idx();
   float v[kTopK];
-  if (kAnyK && rounding == GradRounding::kTorchBf16) {  // (the fixed-K kernels never round so)
+  if (TokenRouting<kTopK, kFormat>::kTorchRounding && rounding == GradRounding::kTorchBf16) {
     float sb[kTopK], gs[kTopK];
     float sum_s = 0.0f, dot = 0.0f;
 #pragma unroll
@@ -248,6 +435,27 @@ __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
     }
   }
   return out;
+}
+
+// kCompact: the row as packed by compact_routing_rows.
+template <int kExperts, int kTopK>
+__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
+    const TokenRouting<kTopK, RowFormat::kCompact>& in, const kernels::RoutingInputs&, float,
+    bool, GradRounding) {
+  PackedRow<kTopK> out{};
+  if (!in.valid) return out;
+  out.experts[0] = in.row.experts.x, out.experts[1] = in.row.experts.y;
+  out.valid = in.row.experts.z;
+  out.grads[0] = in.row.grads.x, out.grads[1] = in.row.grads.y;
+  out.grads[2] = in.row.grads.z, out.grads[3] = in.row.grads.w;
+  return out;
+}
+
+__device__ __forceinline__ void store_compact_row(CompactRow* rows, int64_t t,
+                                                  const PackedRow<8>& in) {
+  uint4* dst = reinterpret_cast<uint4*>(rows + t);
+  __stcg(dst, make_uint4(in.experts[0], in.experts[1], in.valid, 0u));
+  __stcg(dst + 1, make_uint4(in.grads[0], in.grads[1], in.grads[2], in.grads[3]));
 }
 
 // Row `row` of one G stage: clears the experts recorded in `set_experts` (the row's previous
