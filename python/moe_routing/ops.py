@@ -4,7 +4,10 @@
 Both run the library's CUDA kernels on the current CUDA stream of the input's device, have
 fake (meta) implementations, so ``torch.compile`` traces them without a graph break, and
 allocate everything they use through PyTorch's allocator (CUDA graph capture works). ``route``
-is differentiable in ``x`` and ``weight``: its backward is ``route_backward``.
+is differentiable in ``x`` and ``weight``: its backward is ``route_backward``, which reads
+PyTorch's dtypes as they are (int64 or int32 indices, bf16 or f32 scores and gradients) and
+writes ``grad_w`` as bf16 where asked: no conversion kernel runs around it. Its workspace is
+allocated and zeroed once per (device, stream) and reused (the library leaves it zeroed).
 
 Inputs are checked before any call into the library: a wrong device, dtype, layout, shape or
 config raises ``ValueError``; a non-zero status from the library raises
@@ -12,7 +15,8 @@ config raises ``ValueError``; a non-zero status from the library raises
 """
 
 import ctypes
-from typing import Tuple
+import threading
+from typing import Dict, Tuple
 
 import torch
 from torch import Tensor
@@ -106,18 +110,24 @@ def _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_fac
 
 
 def _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor) -> None:
+                    routed_scaling_factor, precise=False, grad_w_bf16=False) -> None:
     _need(x.dim() == 2, f"x must be [T, H], got shape {_shape(x)}")
     _need(weight.dim() == 2, f"weight must be [E, H], got shape {_shape(weight)}")
     _need(topk_idx.dim() == 2, f"topk_idx must be [T, K], got shape {_shape(topk_idx)}")
+    _need(topk_scores.dim() == 2,
+          f"topk_scores must be [T, K] or [T, E], got shape {_shape(topk_scores)}")
     T, H = x.shape
     E = weight.shape[0]
     K = topk_idx.shape[1]
     _check_tensor("x", x, (torch.bfloat16,), (None, H))
     _check_tensor("weight", weight, (torch.bfloat16, torch.float32), (E, H))
-    _check_tensor("topk_idx", topk_idx, (torch.int32,), (T, K))
-    _check_tensor("topk_scores", topk_scores, (torch.float32,), (T, K))
-    _check_tensor("grad_topk_weights", grad_topk_weights, (torch.float32,), (T, K))
+    _check_tensor("topk_idx", topk_idx, (torch.int32, torch.int64), (T, K))
+    # The chosen experts' scores [T, K], or those of all experts [T, E] (read at the chosen).
+    width = K if topk_scores.shape[1] == K else E
+    _check_tensor("topk_scores", topk_scores, (torch.float32, torch.bfloat16), (T, width))
+    _check_tensor("grad_topk_weights", grad_topk_weights, (torch.float32, torch.bfloat16), (T, K))
+    _need(not (precise and grad_w_bf16),
+          "grad_w_bf16: precise mode writes grad_w as float32 only")
     check_config(int(H), int(E), int(K), n_group, topk_group, routed_scaling_factor)
 
 
@@ -126,7 +136,7 @@ def _aligned(t: Tensor, align: int) -> Tensor:
     return t if t.data_ptr() % align == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _stream(device: torch.device) -> ctypes.c_void_p:
+def _stream(device: torch.device) -> ctypes.c_void_p:  # (route's)
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
@@ -136,6 +146,38 @@ _CTYPES = {
     torch.float32: ctypes.c_float,
     torch.int32: ctypes.c_int32,
 }
+
+# The C ABI's code of each dtype the backward takes in several (MOE_ROUTING_DTYPE_*).
+_DTYPES = {
+    torch.float32: _lib.DTYPE_F32,
+    torch.bfloat16: _lib.DTYPE_BF16,
+    torch.int32: _lib.DTYPE_I32,
+    torch.int64: _lib.DTYPE_I64,
+}
+
+# One zeroed backward workspace per (device, stream), grown when a call needs more: the
+# library leaves it zeroed, so no call allocates or clears one. While a CUDA graph is being
+# captured, a call whose stream has none large enough gets its own (zeroed in the graph, from
+# the graph's memory pool), and nothing is cached.
+_workspaces: Dict[Tuple[int, int], Tensor] = {}
+_workspaces_lock = threading.Lock()
+
+
+def _workspace(device: torch.device, stream: int, nbytes: int) -> Tensor:
+    key = (device.index, stream)
+    ws = _workspaces.get(key)
+    if ws is not None and ws.numel() >= nbytes:
+        return ws
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    with _workspaces_lock:
+        ws = _workspaces.get(key)
+        if ws is None or ws.numel() < nbytes:
+            # (The old one may still be in use by queued work on this stream: the allocator
+            # keeps its memory until that work is done.)
+            ws = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            _workspaces[key] = ws
+        return ws
 
 
 def _spans(**tensors: Tensor) -> dict:
@@ -229,16 +271,20 @@ def route_backward(
     routed_scaling_factor: float,
     norm_topk_prob: bool,
     precise: bool = False,
+    grad_w_bf16: bool = False,
 ) -> Tuple[Tensor, Tensor]:
-    """Gradients of ``x`` and ``weight`` from ``grad_topk_weights`` [T, K] f32.
+    """Gradients of ``x`` and ``weight`` from ``grad_topk_weights`` [T, K] (f32 or bf16).
 
-    ``topk_idx`` [T, K] int32 and ``topk_scores`` [T, K] f32 are ``route``'s outputs (rows of
-    distinct experts). Returns ``grad_x`` [T, H] bf16 and ``grad_w`` [E, H] f32. ``precise``
-    makes ``grad_w`` fp32-accurate (a second pass over x: slower). ``weight`` may be bf16 or
-    f32 (rounded to bf16, as in the forward).
+    ``topk_idx`` [T, K] (int32 or int64) holds each token's chosen experts (distinct);
+    ``topk_scores`` their sigmoid scores, either [T, K] (the chosen experts', as ``route``
+    returns them) or [T, E] (every expert's: only the chosen are read), f32 or bf16. All are
+    read in their own dtype, with no conversion. Returns ``grad_x`` [T, H] bf16 and ``grad_w``
+    [E, H], f32, or bf16 with ``grad_w_bf16``. ``precise`` makes ``grad_w`` fp32-accurate (a
+    second pass over x: slower; f32 ``grad_w`` only). ``weight`` may be bf16 or f32 (rounded
+    to bf16, as in the forward).
     """
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor)
+                    routed_scaling_factor, precise, grad_w_bf16)
     _check_devices(x.device, weight=weight, topk_idx=topk_idx, topk_scores=topk_scores,
                    grad_topk_weights=grad_topk_weights)
     T, H = x.shape
@@ -246,9 +292,10 @@ def route_backward(
     K = topk_idx.shape[1]
     _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
     grad_x = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+    w_dtype = torch.bfloat16 if grad_w_bf16 else torch.float32
     if T == 0:
-        return grad_x, torch.zeros((E, H), dtype=torch.float32, device=x.device)
-    grad_w = torch.empty((E, H), dtype=torch.float32, device=x.device)
+        return grad_x, torch.zeros((E, H), dtype=w_dtype, device=x.device)
+    grad_w = torch.empty((E, H), dtype=w_dtype, device=x.device)
     lib = _lib.load()
     w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
     x = _aligned(x, 16)
@@ -261,36 +308,54 @@ def route_backward(
             f"moe_routing_backward_workspace_bytes returned 0 for T={T}: "
             f"{_lib.status_string(_lib.validate_config(cfg))}",
         )
-    # Zeroed, as the library requires of a new workspace; one per call, from PyTorch's
-    # allocator, so that the call can be captured into a CUDA graph.
-    workspace = torch.zeros(ws_bytes, dtype=torch.uint8, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    workspace = _workspace(x.device, stream, ws_bytes)
+    all_scores = topk_scores.shape[1] != K
     args = _lib.MoeRoutingBackwardArgs(
         struct_size=ctypes.sizeof(_lib.MoeRoutingBackwardArgs),
         precision=_lib.PRECISION_PRECISE if precise else _lib.PRECISION_DEFAULT,
         tokens=T,
-        **_spans(x=x, w=w, topk_idx=topk_idx, topk_scores=topk_scores,
-                 grad_topk_weights=grad_topk_weights, grad_x=grad_x, grad_w=grad_w),
+        **_spans(x=x, w=w, grad_x=grad_x),
+        # (Pointers of the struct's declared types; the *_dtype fields say what they hold.)
+        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        topk_idx_len=topk_idx.numel(),
+        grad_topk_weights=_lib.ptr(grad_topk_weights.data_ptr(), ctypes.c_float),
+        grad_topk_weights_len=grad_topk_weights.numel(),
+        grad_w=_lib.ptr(grad_w.data_ptr(), ctypes.c_float),
+        grad_w_len=grad_w.numel(),
         workspace=ctypes.c_void_p(workspace.data_ptr()),
         workspace_bytes=workspace.numel(),
         accumulate_grad_w=0,
         reserved=0,
+        topk_idx_dtype=_DTYPES[topk_idx.dtype],
+        scores_dtype=_DTYPES[topk_scores.dtype],
+        grad_topk_weights_dtype=_DTYPES[grad_topk_weights.dtype],
+        grad_w_dtype=_DTYPES[w_dtype],
     )
+    if all_scores:
+        args.scores = ctypes.c_void_p(topk_scores.data_ptr())
+        args.scores_len = topk_scores.numel()
+    else:
+        args.topk_scores = _lib.ptr(topk_scores.data_ptr(), ctypes.c_float)
+        args.topk_scores_len = topk_scores.numel()
     with torch.cuda.device(x.device):
-        status = lib.moe_routing_backward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
+        status = lib.moe_routing_backward(ctypes.byref(cfg), ctypes.byref(args),
+                                          ctypes.c_void_p(stream))
     _lib.check_status(status, "moe_routing_backward")
     return grad_x, grad_w
 
 
 @route_backward.register_fake
 def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group,
-                         topk_group, routed_scaling_factor, norm_topk_prob, precise=False):
+                         topk_group, routed_scaling_factor, norm_topk_prob, precise=False,
+                         grad_w_bf16=False):
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor)
+                    routed_scaling_factor, precise, grad_w_bf16)
     T, H = x.shape
     E = weight.shape[0]
     return (
         x.new_empty((T, H), dtype=torch.bfloat16),
-        x.new_empty((E, H), dtype=torch.float32),
+        x.new_empty((E, H), dtype=torch.bfloat16 if grad_w_bf16 else torch.float32),
     )
 
 
@@ -312,9 +377,16 @@ def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
     n_group, topk_group, scale, norm, precise = ctx.cfg
     grad_x = grad_w = None
     if grad_topk_weights is not None and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        g = grad_topk_weights.to(torch.float32).contiguous()
+        # bf16 and f32 gradients go to the kernel as they are; a bf16 weight gets its bf16
+        # gradient from the kernel itself (f32 where precise).
+        g = grad_topk_weights
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            g = g.to(torch.float32)
+        g = g.contiguous()
+        grad_w_bf16 = ctx.weight_dtype == torch.bfloat16 and not precise
         grad_x, grad_w = torch.ops.moe_routing.route_backward(
-            x, weight, topk_idx, topk_scores, g, n_group, topk_group, scale, norm, precise
+            x, weight, topk_idx, topk_scores, g, n_group, topk_group, scale, norm, precise,
+            grad_w_bf16,
         )
         grad_x = grad_x if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None

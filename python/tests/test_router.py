@@ -244,6 +244,13 @@ def test_fake_shapes(wdtype):
             c.norm_topk_prob)
         assert (gx.shape, gx.dtype) == ((37, c.hidden_size), torch.bfloat16)
         assert (gw.shape, gw.dtype) == ((c.n_routed_experts, c.hidden_size), torch.float32)
+        # PyTorch's dtypes: int64 indices, bf16 scores of all experts and gradients, bf16 grad_w.
+        all_scores = torch.empty(37, c.n_routed_experts, dtype=torch.bfloat16)
+        gx, gw = torch.ops.moe_routing.route_backward(
+            x, w, idx.long(), all_scores, weights.bfloat16(), c.n_group, c.topk_group,
+            c.routed_scaling_factor, c.norm_topk_prob, False, True)
+        assert (gx.shape, gx.dtype) == ((37, c.hidden_size), torch.bfloat16)
+        assert (gw.shape, gw.dtype) == ((c.n_routed_experts, c.hidden_size), torch.bfloat16)
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
@@ -355,9 +362,11 @@ def test_route_backward_input_validation():
     g = torch.ones(8, 4)
     rest = (c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
     bad = [
-        ((x, w, idx.long(), s, g), "topk_idx must be torch.int32"),
+        ((x, w, idx.short(), s, g), "topk_idx must be torch.int32 or torch.int64"),
         ((x, w, idx[:7], s, g), r"topk_idx must have shape \[8, 4\]"),
-        ((x, w, idx, s.double(), g), "topk_scores must be torch.float32"),
+        ((x, w, idx, s.double(), g), "topk_scores must be torch.float32 or torch.bfloat16"),
+        ((x, w, idx, s[:, :3].contiguous(), g), r"topk_scores must have shape \[8, 32\]"),
+        ((x, w, idx, s, g.half()), "grad_topk_weights must be torch.float32 or torch.bfloat16"),
         ((x, w, idx, s, g[:, :3]), r"grad_topk_weights must have shape \[8, 4\]"),
         ((x, w, idx, s, g.t().contiguous().t()), "grad_topk_weights must be contiguous"),
         ((x, w, idx, s, g), "x must be a CUDA tensor"),
@@ -365,6 +374,8 @@ def test_route_backward_input_validation():
     for args, msg in bad:
         with pytest.raises(ValueError, match=msg):
             torch.ops.moe_routing.route_backward(*args, *rest)
+    with pytest.raises(ValueError, match="grad_w_bf16: precise mode"):
+        torch.ops.moe_routing.route_backward(x, w, idx, s, g, *rest, True, True)
 
 
 def test_module_validation():
@@ -589,6 +600,63 @@ def test_route_backward_op_matches_reference():
     # f32 weight gives the same results (rounded to bf16 inside).
     gx2, gw2 = torch.ops.moe_routing.route_backward(x, w, idx, scores, g, *rest)
     assert torch.equal(gx, gx2) and torch.equal(gw, gw2)
+
+
+@needs_gpu
+def test_route_backward_reads_pytorch_dtypes():
+    # The public benchmark's interface: int64 indices, bf16 scores of all experts, bf16
+    # gradients, bf16 grad_w; and each of those alone. All against the float64 reference.
+    c = CONFIGS["glm45"]
+    x, w, b = inputs(c, 1300, "cuda", seed=21)
+    wb = w.to(torch.bfloat16)
+    idx, _, scores = torch.ops.moe_routing.route(x, wb, b, *op_args(c))
+    gen = torch.Generator(device="cuda").manual_seed(22)
+    all_scores = torch.rand(idx.shape[0], c.n_routed_experts, device="cuda", generator=gen)
+    all_scores.scatter_(1, idx.long(), scores)  # the chosen experts' scores as route gave them
+    g = torch.randn(idx.shape, device="cuda", generator=gen)
+    rest = (c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
+    for idx_dt, scores_form, real_dt, w_bf16 in [
+        (torch.int64, "all", torch.bfloat16, True),
+        (torch.int64, "chosen", torch.float32, False),
+        (torch.int32, "all", torch.float32, False),
+        (torch.int32, "chosen", torch.bfloat16, True),
+    ]:
+        s = (all_scores if scores_form == "all" else scores).to(real_dt)
+        gr = g.to(real_dt)
+        gx, gw = torch.ops.moe_routing.route_backward(
+            x, wb, idx.to(idx_dt), s, gr, *rest, False, w_bf16)
+        assert gw.dtype == (torch.bfloat16 if w_bf16 else torch.float32)
+        chosen = s.float().gather(1, idx.long()) if scores_form == "all" else s.float()
+        rx, rw = R.route_backward(x, wb, idx, chosen, gr.float(), c.routed_scaling_factor,
+                                  c.norm_topk_prob)
+        assert R.rel_err(gx, rx) <= 1e-2, (idx_dt, scores_form, real_dt)
+        assert R.rel_err(gw.float(), rw) <= 6e-3, (idx_dt, scores_form, real_dt)
+
+
+@needs_gpu
+def test_route_backward_workspace_is_cached_per_stream():
+    # One zeroed workspace per (device, stream), grown when a larger call needs more; the
+    # results stay those of a fresh workspace (the library leaves it zeroed).
+    c = CONFIGS["glm45"]
+    rest = (c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
+    stream = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(stream):
+        for T, seed in ((300, 23), (2000, 24), (300, 23)):
+            x, w, b = inputs(c, T, "cuda", seed=seed)
+            wb = w.to(torch.bfloat16)
+            idx, weights, scores = torch.ops.moe_routing.route(x, wb, b, *op_args(c))
+            results.append(torch.ops.moe_routing.route_backward(
+                x, wb, idx, scores, weights, *rest))
+            key = (x.device.index, stream.cuda_stream)
+            assert key in ops._workspaces
+            cfg = _lib.make_config(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok,
+                                   c.n_group, c.topk_group, c.routed_scaling_factor,
+                                   c.norm_topk_prob)
+            assert ops._workspaces[key].numel() >= _lib.backward_workspace_bytes(cfg, T)
+    stream.synchronize()
+    for a, b_ in zip(results[0], results[2]):
+        assert torch.equal(a, b_)
 
 
 @needs_gpu
