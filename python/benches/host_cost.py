@@ -1,0 +1,91 @@
+"""Host cost and GPU operations of one call of the PyTorch ops, as a training step makes it.
+
+    python python/benches/host_cost.py [--tokens T] [--json PATH]
+
+On the public benchmark's shape (GLM-4.5: H 5120, E 160, K 8, 8 groups of which 4) and its
+interface for the backward (int64 indices, bf16 scores of all experts, bf16 gradients, bf16
+grad_w), it measures per op:
+- host µs per call: a tight loop of calls, CPU time per call (the GPU kept busy beforehand so
+  that the loop never waits on it);
+- GPU operations per call: every kernel, memset and copy of one call under torch.profiler,
+  after an unrelated kernel (a call's first kernel is its own).
+Prints both and writes them as JSON (``host_us_forward``, ``host_us_backward``,
+``gpu_ops_forward``, ``gpu_ops_backward`` and the operations' names). Needs a CUDA GPU and the
+library (see the package README).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import moe_routing  # noqa: E402,F401  (registers the ops)
+
+H, E, K, GROUPS, TOPK_GROUP, SCALE = 5120, 160, 8, 8, 4, 2.5
+
+
+def make_inputs(tokens):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, H, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(E, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    b = torch.randn(E, device="cuda", generator=gen) * 0.05
+    idx, weights, _ = torch.ops.moe_routing.route(x, w, b, K, GROUPS, TOPK_GROUP, SCALE, True)
+    scores = torch.rand(tokens, E, device="cuda", generator=gen).to(torch.bfloat16)
+    grad = torch.randn(tokens, K, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, w, b, idx.long(), scores, grad
+
+
+def host_us(call, n=2000):
+    busy = torch.empty(2**26, device="cuda")
+    for _ in range(50):  # the GPU busy for longer than the loop takes to enqueue
+        busy.mul_(1.0)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def gpu_ops(call):
+    flush = torch.empty(2**24, device="cuda")
+    flush.fill_(1.0)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--json")
+    opts = ap.parse_args()
+    x, w, b, idx, scores, grad = make_inputs(opts.tokens)
+    forward = lambda: torch.ops.moe_routing.route(x, w, b, K, GROUPS, TOPK_GROUP, SCALE, True)
+    backward = lambda: torch.ops.moe_routing.route_backward(
+        x, w, idx, scores, grad, GROUPS, TOPK_GROUP, SCALE, True, False, True)
+    for call in (forward, backward):  # warm-up: library load, workspace, module load
+        call()
+    torch.cuda.synchronize()
+    out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens,
+               interface="int64 topk_idx, bf16 scores [T, E], bf16 grad_topk_weights, bf16 grad_w")
+    for name, call in (("forward", forward), ("backward", backward)):
+        ops = gpu_ops(call)
+        out[f"host_us_{name}"] = round(host_us(call), 2)
+        out[f"gpu_ops_{name}"] = len(ops)
+        out[f"gpu_op_names_{name}"] = [o[:120] for o in ops]
+        print(f"{name:<8} host {out[f'host_us_{name}']:7.1f} us per call, {len(ops)} GPU op(s)")
+        for o in ops:
+            print(f"    {o[:110]}")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
