@@ -141,7 +141,8 @@ size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = ceil_div(tokens, kTileT) * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  const size_t partials = size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  const size_t partials =
+      size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
   return (partials + 255) / 256 * 256;
 }
 

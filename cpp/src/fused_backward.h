@@ -63,7 +63,9 @@ inline bool training_dtypes(const BackwardArgs& a) {
 // (kernel_sm90.cuh: compact_routing_rows): K = 8, int64 indices, bf16 scores of all experts, bf16
 // gradients, the index and gradient rows 16-byte aligned; not precise mode's residual sweep.
 inline bool compact_rows(const RouterConfig& cfg, const BackwardArgs& a) {
-  const auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; };
+  const auto aligned16 = [](const void* ptr) {
+    return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
+  };
   return cfg.num_experts_per_tok == 8 && a.topk_idx.dtype == DType::kI64 &&
          a.scores.data != nullptr && a.scores.dtype == DType::kBF16 &&
          a.grad_topk_weights.dtype == DType::kBF16 && aligned16(a.topk_idx.data) &&

@@ -89,7 +89,9 @@ __device__ __forceinline__ void cp_async(uint32_t dst, const void* src, int byte
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 // 0, computed from v: a value the compiler cannot see through, so that what uses it waits for v.
 __device__ __forceinline__ uint32_t zero_after(uint32_t v) {
@@ -144,7 +146,8 @@ struct TokenRouting<kTopK, RowFormat::kAny> {
     for (int k = 0; k < kTopK; ++k) {
       const int e = idx_[k];
       if (unsigned(e) >= unsigned(in.scores_stride)) score[k] = 0;
-      else if (in.scores_bf16) score[k] = __ldg(static_cast<const unsigned short*>(in.scores) + all + e);
+      else if (in.scores_bf16)
+        score[k] = __ldg(static_cast<const unsigned short*>(in.scores) + all + e);
       else score[k] = __ldg(static_cast<const unsigned int*>(in.scores) + all + e);
     }
   }
@@ -271,7 +274,8 @@ struct TokenRouting<kTopK, RowFormat::kTorch> {
   }
 
   __device__ __forceinline__ void gather_scores(const kernels::RoutingInputs& in, int64_t t) {
-    const unsigned short* row = static_cast<const unsigned short*>(in.scores) + t * in.scores_stride;
+    const unsigned short* row =
+        static_cast<const unsigned short*>(in.scores) + t * in.scores_stride;
 #pragma unroll
     for (int k = 0; k < kTopK; ++k)
       score[k] = unsigned(idx_[k]) < unsigned(in.scores_stride) ? __ldg(row + idx_[k]) : 0u;
