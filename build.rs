@@ -14,8 +14,6 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-const GENCODE: &str = "-gencode=arch=compute_90a,code=sm_90a";
-
 fn main() {
     for var in [
         "CUDA_HOME",
@@ -51,6 +49,14 @@ fn main() {
         .collect();
     sources.sort();
     let nvcc = cuda.join("bin/nvcc");
+    // The flags, one per line (# comments), shared with CMakeLists.txt.
+    let flags: Vec<String> = std::fs::read_to_string(manifest.join("cpp/nvcc.flags"))
+        .expect("cpp/nvcc.flags")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(String::from)
+        .collect();
     let extra: Vec<String> = env::var("MOE_ROUTING_NVCC_FLAGS")
         .map(|s| s.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
@@ -68,33 +74,22 @@ fn main() {
         .map(|src| {
             let obj = out.join(src.file_stem().unwrap()).with_extension("o");
             let mut cmd = Command::new(&nvcc);
-            cmd.args([
-                "-std=c++17",
-                "-O3",
-                GENCODE,
-                "-DNDEBUG",
-                "--expt-relaxed-constexpr",
-                // wgmma N of every multiple of 8 (N = E = 160 among them), not only
-                // of 64, in CuTe's MMA selectors.
-                "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",
-                // Source lines for profilers; no effect on the code.
-                "-lineinfo",
-            ])
-            .args(["-Xcompiler", "-fPIC", "-c"])
-            .arg("-I")
-            .arg(manifest.join("cpp/include"))
-            .arg("-I")
-            .arg(manifest.join("cpp"))
-            .arg("-I")
-            .arg(&cutlass)
-            .args(&extra)
-            .arg(src)
-            .arg("-o")
-            .arg(&obj)
-            // The headers it read, so that the next build can skip it when none changed.
-            .arg("-MD")
-            .arg("-MF")
-            .arg(obj.with_extension("d"));
+            cmd.args(&flags)
+                .arg("-c")
+                .arg("-I")
+                .arg(manifest.join("cpp/include"))
+                .arg("-I")
+                .arg(manifest.join("cpp"))
+                .arg("-I")
+                .arg(&cutlass)
+                .args(&extra)
+                .arg(src)
+                .arg("-o")
+                .arg(&obj)
+                // The headers it read, so that the next build can skip it when none changed.
+                .arg("-MD")
+                .arg("-MF")
+                .arg(obj.with_extension("d"));
             if let Ok(ccbin) = env::var("NVCC_CCBIN") {
                 cmd.arg("-ccbin").arg(ccbin);
             }
@@ -176,24 +171,6 @@ struct Package<'a> {
     cuda_include: &'a Path,
 }
 
-/// Public symbols of `libmoe_routing.so`: the C ABI and the C++ API. Everything else, the
-/// CUDA runtime linked into it included, stays local.
-const EXPORTS: &str = r#"{
-  global:
-    moe_routing_*;
-    extern "C++" {
-      "moe_routing::status_string(moe_routing::Status)";
-      moe_routing::validate_config*;
-      moe_routing::backward_workspace_bytes*;
-      moe_routing::router_forward*;
-      moe_routing::router_backward*;
-      moe_routing::device_count*;
-      moe_routing::baseline::*;
-    };
-  local: *;
-};
-"#;
-
 /// Lays out the package for C and C++ consumers in `target/<profile>/moe_routing/` (three
 /// levels above `OUT_DIR`, so `CARGO_TARGET_DIR` and `--target` are followed):
 ///
@@ -272,8 +249,8 @@ fn package(p: &Package) {
 
     // Shared library, linked by nvcc's host compiler if given (NVCC_CCBIN), else CXX or c++;
     // cxx-build's compiler detection already reruns the build when CXX changes.
-    let exports = p.out.join("libmoe_routing.exports");
-    std::fs::write(&exports, EXPORTS).unwrap();
+    // The public symbols (a linker version script shared with CMakeLists.txt).
+    let exports = p.manifest.join("cpp/libmoe_routing.exports");
     let shared = p.out.join("libmoe_routing.so.1");
     let cxx = env::var("NVCC_CCBIN")
         .or_else(|_| env::var("CXX"))
