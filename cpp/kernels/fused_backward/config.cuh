@@ -141,7 +141,8 @@ struct Config {
     alignas(1024) Elem gx[cosize_v<SmemLayoutGX>];
     // Experts each builder set in a G stage, so that it clears just those next time.
     alignas(16) uint8_t set_experts[kStagesG][kTileT][kTopK];
-    // kAnyK: each builder's row of staged indices (routing_grad_tile.cuh: stage_indices).
+    // kAnyK: each builder's row of staged indices, up to kTopK int64 (routing_grad_tile.cuh:
+    // stage_indices).
     alignas(16) uint8_t idx_rows[kAnyK ? kTileT : 1][kTopK * 8];
     alignas(8) uint64_t x_full[kStagesX];   // x landed (TMA transaction count)
     alignas(8) uint64_t x_empty[kStagesX];  // wgrad done with it

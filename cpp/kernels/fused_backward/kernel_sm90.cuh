@@ -300,9 +300,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Compact rows: the producers of all CTAs first pack every token's G row once (token t by
     // thread t / ctas % 128 of CTA t % ctas), into global memory; once all CTAs have (a grid
     // barrier: the grid is at most one CTA per SM, all resident), each unit reads its tile's
-    // packed rows (32 bytes a token) instead of gathering and packing them again, which every
-    // one of the H / kTileH slices' units did: the gathers' L2 requests, 8 scattered sectors a
-    // token, were the PyTorch dtypes' bound (BENCHMARKS.md v22).
+    // packed rows (32 bytes a token) instead of gathering and packing them again, as every one
+    // of the H / kTileH slices' units did: that per-unit gather and packing kept the PyTorch
+    // dtypes 1.6x slower than the training dtypes at T = 1264 (BENCHMARKS.md v22).
     auto compact_routing_rows = [&] {
       if constexpr (Cfg::kAnyK) {
         const int64_t ctas = gridDim.x;

@@ -100,10 +100,6 @@ __device__ __forceinline__ uint32_t zero_after(uint32_t v) {
   return zero;
 }
 
-// Staged indices: each builder's row in shared memory holds at most kTopK int64 values.
-template <int kTopK>
-constexpr int kStagedRowBytes = kTopK * 8;
-
 template <int kTopK>
 struct TokenRouting<kTopK, RowFormat::kAny> {
   static constexpr bool kMayStage = true;
