@@ -168,7 +168,9 @@ def _workspace(device: torch.device, stream: int, nbytes: int) -> Tensor:
     ws = _workspaces.get(key)
     if ws is not None and ws.numel() >= nbytes:
         return ws
-    if torch.cuda.is_current_stream_capturing():
+    with torch.cuda.device(device):  # (capture is a property of that device's current stream)
+        capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     with _workspaces_lock:
         ws = _workspaces.get(key)
