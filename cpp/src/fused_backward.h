@@ -59,19 +59,6 @@ inline bool training_dtypes(const BackwardArgs& a) {
          a.grad_w.dtype == DType::kF32 && a.precision != Precision::kTorchBf16;
 }
 
-// PyTorch's dtypes, which the any-K kernels read once per launch into compact rows
-// (kernel_sm90.cuh: compact_routing_rows): K = 8, int64 indices, bf16 scores of all experts, bf16
-// gradients, the index and gradient rows 16-byte aligned; not precise mode's residual sweep.
-inline bool compact_rows(const RouterConfig& cfg, const BackwardArgs& a) {
-  const auto aligned16 = [](const void* ptr) {
-    return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0;
-  };
-  return cfg.num_experts_per_tok == 8 && a.topk_idx.dtype == DType::kI64 &&
-         a.scores.data != nullptr && a.scores.dtype == DType::kBF16 &&
-         a.grad_topk_weights.dtype == DType::kBF16 && aligned16(a.topk_idx.data) &&
-         aligned16(a.grad_topk_weights.data) && a.precision != Precision::kPrecise;
-}
-
 // The [T, K] routing arrays 16-byte aligned, as the fixed-K kernels need (they load each row as
 // 16-byte vectors; the scores of all experts are gathered one by one); the API asks only
 // element alignment, which the any-K kernels take.

@@ -25,8 +25,9 @@ enum class RowFormat {
   kCompact,   // kTorch's rows, packed once per launch (compact_routing_rows): CompactRow
 };
 
-// Whether a kernel of any K may read these inputs as RowFormat::kTorch.
-__device__ __forceinline__ bool torch_rows(const kernels::RoutingInputs& in, int top_k) {
+// Whether a kernel of any K may read these inputs as RowFormat::kTorch (asked by the host too:
+// compact rows are this format's).
+__host__ __device__ __forceinline__ bool torch_rows(const kernels::RoutingInputs& in, int top_k) {
   return top_k == 8 && in.idx_i64 && in.scores_all && in.scores_bf16 && in.grad_bf16 &&
          in.idx_rows16 && in.grad_rows16;
 }
