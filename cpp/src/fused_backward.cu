@@ -1,6 +1,8 @@
 // Dispatch of the fused backward: split of the token range over the GPU's SMs.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "fused_backward.h"
 #include "launch.h"
@@ -24,6 +26,20 @@ int sm_count(int device) {
   }
   if (slot) slot->store(n, std::memory_order_relaxed);
   return n;
+}
+
+// MOE_ROUTING_BACKWARD_PLAN (read once; a diagnostic for measuring the plans against each
+// other): "h64" takes 64-column slices wherever they fit, "h128" never; unset or anything else,
+// the cost model in plan() decides.
+enum class PlanChoice { kAuto, kH64, kH128 };
+PlanChoice plan_choice() {
+  static const PlanChoice choice = [] {
+    const char* v = std::getenv("MOE_ROUTING_BACKWARD_PLAN");
+    if (v != nullptr && std::strcmp(v, "h64") == 0) return PlanChoice::kH64;
+    if (v != nullptr && std::strcmp(v, "h128") == 0) return PlanChoice::kH128;
+    return PlanChoice::kAuto;
+  }();
+  return choice;
 }
 
 // Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kRoleSplit). E = 64
@@ -69,16 +85,21 @@ int active_clusters(int device, int64_t experts, int k) {
 // from the last unit to the end). Where the slices outnumber the SMs, one range per SM
 // (last-CTA sum). Where twice as many 64-column slices fit on the SMs, each CTA may instead
 // take one whole 64-column slice: no partial sums at all, a unit about kUnit64 of a 128-column
-// one.
+// one (0.55: both plans measured single-call at H = 5120, E = 160, the 64-column one faster by
+// 1.2-1.6 µs at 12 tiles, even at 13-15, slower from 16; docs/perf-log/backward.md
+// v23).
 BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
-  constexpr double kUnit64 = 0.6;
+  constexpr double kUnit64 = 0.55;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
+  const PlanChoice choice = plan_choice();
+  if (2 * slices <= grid && choice == PlanChoice::kH64)
+    return {int(2 * slices), 1, GradWSum::kLastCta, 64};
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
   double best_cost = double(tiles);
-  if (2 * slices <= grid && kUnit64 * double(tiles) < best_cost)
+  if (2 * slices <= grid && choice != PlanChoice::kH128 && kUnit64 * double(tiles) < best_cost)
     best = {int(2 * slices), 1, GradWSum::kLastCta, 64}, best_cost = kUnit64 * double(tiles);
   const bool spread = slices <= kMaxCounterSlices;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {

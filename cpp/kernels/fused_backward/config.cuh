@@ -1,4 +1,5 @@
-// Tile shapes, shared-memory layouts and tiled MMAs of the fused backward (sm90a).
+// Tile shapes, shared-memory layouts and tiled MMAs of the fused backward (sm90a). ("backward v19"
+// and the like name the sections of docs/perf-log/backward.md that measured a choice.)
 //
 // Work unit: one kTileT-token tile of one kTileH-wide slice of hidden columns. Per unit a CTA
 // holds in shared memory
@@ -40,7 +41,8 @@ struct Config {
   // tokens (w's fragment, E / 4 registers per thread, and grad_x's accumulators, 64),
   // warpgroup 1 wgrad of all the experts (grad_w's accumulators, E / 2). Split by data (each
   // warpgroup 64 tokens of both GEMMs; with 256 experts half the experts of wgrad), the kernels
-  // ran 1-7% slower with 64 to 160 experts and 8-22% slower with 256 (BENCHMARKS.md v19, v20).
+  // ran 1-7% slower with 64 to 160 experts and 8-22% slower with 256
+  // (docs/perf-log/backward.md v19, v20).
   static constexpr bool kRoleSplit = kTileH == 64;
   static constexpr int kDgradN = kTileT;    // per warpgroup
   static constexpr int kWgradN = kExperts;  // per warpgroup
@@ -50,7 +52,7 @@ struct Config {
   static constexpr int kRoutingPrefetch = 3;
   static constexpr int kRoutingPrefetchMinUnits = 32;
   // The consumer warpgroups may start a launch out of step (warpgroup 1 once warpgroup 0's first
-  // grad_x is out): the 128-column any-K kernels, where K < 8 (Params::skew; BENCHMARKS.md v18:
+  // grad_x is out): the 128-column any-K kernels, where K < 8 (Params::skew; backward v18:
   // 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160). (The role-split
   // kernels' warpgroups run out of step by their roles.)
   static constexpr bool kSkew = kAnyK && !kRoleSplit;
@@ -64,7 +66,8 @@ struct Config {
   // setmaxnreg moves registers between warpgroups of the CTA: the consumers can only gain what
   // the producer gives up from the 168 per thread of a 384-thread CTA, or they wait forever.
   // kRoleSplit with 256 experts: 56 / 224 (the producer spills 8 bytes) ran 1.4-4% faster at
-  // T = 2048-16384 than 72 / 216 (no spills) on DeepSeek-V3's shape (BENCHMARKS.md v19).
+  // T = 2048-16384 than 72 / 216 (no spills) on DeepSeek-V3's shape (backward
+  // v19).
   static constexpr bool kWideRoleSplit = kRoleSplit && kExperts > 192;
   static constexpr int kProducerRegs = kWideRoleSplit ? 56 : 72;
   static constexpr int kConsumerRegs = kWideRoleSplit ? 224 : 216;

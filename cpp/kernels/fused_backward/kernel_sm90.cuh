@@ -1,4 +1,5 @@
 // The fused backward kernel (sm90a): routing gradient → dgrad and wgrad in one pass over x.
+// ("backward v14" and the like: sections of docs/perf-log/backward.md.)
 //
 // Persistent: one CTA per SM walks its range of units (slice, token tile), see schedule.cuh.
 // Warp roles (three warpgroups):
@@ -215,10 +216,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
       // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
       // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
-      // waiting on L2 beside the x stream (BENCHMARKS.md, v14: faster at T >= 12288, slower at
+      // waiting on L2 beside the x stream (backward v14: faster at T >= 12288, slower at
       // T <= 4096, where the prefetches delay the start). Not in the 64-column kernels: small
       // T, and 256 experts at every T, where it made the producer spill and ran slower
-      // (BENCHMARKS.md "After v16").
+      // (backward "After v16").
       // (Compact rows are read through L2 alone.)
       constexpr int kPrefetch =
           Cfg::kRoleSplit || decltype(format)::value == RowFormat::kCompact ? 0
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // barrier: the grid is at most one CTA per SM, all resident), each unit reads its tile's
     // packed rows (32 bytes a token) instead of gathering and packing them again, as every one
     // of the H / kTileH slices' units did: that per-unit gather and packing kept the PyTorch
-    // dtypes 1.6x slower than the training dtypes at T = 1264 (BENCHMARKS.md v22).
+    // dtypes 1.6x slower than the training dtypes at T = 1264 (backward v22).
     auto compact_routing_rows = [&] {
       if constexpr (Cfg::kAnyK) {
         const int64_t ctas = gridDim.x;

@@ -42,7 +42,7 @@ struct LinearSchedule {
 //             k CTAs resident together: the host uses it only for a grid of at most one CTA
 //             per SM. A slice's CTAs are consecutive, so a partition with fewer SMs (MPS,
 //             green contexts) still finishes where CTAs start in order, as they did on an
-//             H200 with twice as many CTAs as SMs (BENCHMARKS.md); CUDA does not promise
+//             H200 with twice as many CTAs as SMs (backward version log); CUDA does not promise
 //             that order, and a cooperative launch, which does, cost 2.5-3 us per call.
 //   kCluster  ctas = k · slices, launched in clusters of k: as kSpread, with the partials in
 //             each CTA's shared memory, read through distributed shared memory.
