@@ -9,9 +9,11 @@ grad_w), it measures per op:
   that the loop never waits on it);
 - GPU operations per call: every kernel, memset and copy of one call under torch.profiler,
   after an unrelated kernel (a call's first kernel is its own).
-Prints both and writes them as JSON (``host_us_forward``, ``host_us_backward``,
-``gpu_ops_forward``, ``gpu_ops_backward`` and the operations' names). Needs a CUDA GPU and the
-library (see the package README).
+Prints which implementation of the ops is registered (``native``: the C++ ops of
+libmoe_routing_torch.so, or ``ctypes``: the Python ones; ``MOE_ROUTING_TORCH_OP=0`` forces the
+latter, for an A/B comparison), then both figures, and writes them as JSON (``ops``,
+``host_us_forward``, ``host_us_backward``, ``gpu_ops_forward``, ``gpu_ops_backward`` and the
+operations' names). Needs a CUDA GPU and the library (see the package README).
 """
 
 import argparse
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import moe_routing  # noqa: E402,F401  (registers the ops)
+from moe_routing import ops as moe_ops  # noqa: E402
 
 H, E, K, GROUPS, TOPK_GROUP, SCALE = 5120, 160, 8, 8, 4, 2.5
 
@@ -66,6 +69,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--json")
     opts = ap.parse_args()
+    native = moe_ops.native_library_path()
+    print(f"ops: {moe_ops.BACKEND}" + (f" ({native})" if native else ""))
     x, w, b, idx, scores, grad = make_inputs(opts.tokens)
     forward = lambda: torch.ops.moe_routing.route(x, w, b, K, GROUPS, TOPK_GROUP, SCALE, True)
     backward = lambda: torch.ops.moe_routing.route_backward(
@@ -73,7 +78,7 @@ def main():
     for call in (forward, backward):  # warm-up: library load, workspace, module load
         call()
     torch.cuda.synchronize()
-    out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens,
+    out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens, ops=moe_ops.BACKEND,
                interface="int64 topk_idx, bf16 scores [T, E], bf16 grad_topk_weights, bf16 grad_w")
     for name, call in (("forward", forward), ("backward", backward)):
         ops = gpu_ops(call)

@@ -4,11 +4,12 @@
 * :class:`GroupedTopKRouter`: drop-in for transformers' ``DeepseekV3TopkRouter`` /
   ``Glm4MoeTopkRouter`` (see :func:`replace_hf_routers`);
 * ``torch.ops.moe_routing.route`` / ``route_backward`` (also :func:`route`,
-  :func:`route_backward`): the custom ops;
+  :func:`route_backward`): the custom ops, native (C++, ``libmoe_routing_torch.so``) where
+  that library is present, else Python ones over ctypes (:mod:`moe_routing.ops` says which);
 * :mod:`moe_routing.reference`: the same semantics in plain PyTorch.
 
-The shared library ``libmoe_routing.so`` is loaded through ctypes on first use; see
-:func:`library_path` for where it is looked for.
+The shared library ``libmoe_routing.so`` is loaded through ctypes on first use, or at import
+with the native ops; see :func:`library_path` for where it is looked for.
 """
 
 from . import reference

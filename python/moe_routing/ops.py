@@ -1,4 +1,4 @@
-"""The router as PyTorch custom ops: ``torch.ops.moe_routing.route`` and
+"""The router as PyTorch ops: ``torch.ops.moe_routing.route`` and
 ``torch.ops.moe_routing.route_backward``.
 
 Both run the library's CUDA kernels on the current CUDA stream of the input's device, have
@@ -9,14 +9,36 @@ PyTorch's dtypes as they are (int64 or int32 indices, bf16 or f32 scores and gra
 writes ``grad_w`` as bf16 where asked: no conversion kernel runs around it. Its workspace is
 allocated and zeroed once per (device, stream) and reused (the library leaves it zeroed).
 
+The ops have two implementations, with the same schemas, checks and results; :data:`BACKEND`
+says which one is registered:
+
+* ``"native"``: the op library ``libmoe_routing_torch.so`` (``csrc/torch_ops.cpp``), whose ops
+  are registered from C++, so that a call goes from the dispatcher to the library's C ABI with
+  no Python in between (route's autograd and both fake implementations are this module's). It
+  is looked for at ``$MOE_ROUTING_TORCH_LIB``, else ``moe_routing/lib/libmoe_routing_torch.so``,
+  and works with the torch build it was compiled against only (``csrc/build.sh``, or the
+  ``MOE_ROUTING_TORCH_OP`` option of the CMake build). Loading it loads ``libmoe_routing.so``
+  (:func:`moe_routing._lib.load`) at import, so that both bind to the same, checked library.
+* ``"ctypes"``: Python custom ops (``torch.library.custom_op``) that check their inputs in
+  Python and call the C ABI through ctypes, at a far higher host cost per call.
+
+The native ops are used where their library is present and loads; one that is present but
+fails to load (another torch build) gives a warning and the ctypes ops.
+``MOE_ROUTING_TORCH_OP=0`` in the environment forces the ctypes ops, ``MOE_ROUTING_TORCH_OP=1``
+makes a missing or unloadable native library an error.
+
 Inputs are checked before any call into the library: a wrong device, dtype, layout, shape or
 config raises ``ValueError``; a non-zero status from the library raises
-:class:`moe_routing.MoeRoutingError` (a ``RuntimeError``) with the library's text.
+:class:`moe_routing.MoeRoutingError` (a ``RuntimeError``) with the library's text, or, from the
+native ops, a ``RuntimeError`` with the same text.
 """
 
 import ctypes
+import os
 import threading
-from typing import Dict, Tuple
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,6 +50,85 @@ MAX_HIDDEN = 65536
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
 MAX_TOKENS = 2**31 - 1
+
+
+# --------------------------------------------------------------------------------------------
+# The native ops' library
+
+NATIVE_LIB_NAME = "libmoe_routing_torch.so"
+NATIVE_LIB_ENV_VAR = "MOE_ROUTING_TORCH_LIB"
+MODE_ENV_VAR = "MOE_ROUTING_TORCH_OP"
+
+
+def native_library_candidates() -> List[Path]:
+    """Where the native op library is looked for: ``$MOE_ROUTING_TORCH_LIB`` if set, else the
+    package's ``lib/libmoe_routing_torch.so``."""
+    env = os.environ.get(NATIVE_LIB_ENV_VAR)
+    if env:
+        return [Path(env)]
+    return [Path(__file__).resolve().parent / "lib" / NATIVE_LIB_NAME]
+
+
+def native_library_path() -> Optional[Path]:
+    """The native op library in use (``BACKEND == "native"``), else None."""
+    return _native_path
+
+
+def _load_native() -> Optional[Path]:
+    mode = os.environ.get(MODE_ENV_VAR, "").strip()
+    if mode == "0":
+        return None
+    path = next((p for p in native_library_candidates() if p.is_file()), None)
+    if path is None:
+        if mode == "1":
+            tried = ", ".join(str(p) for p in native_library_candidates())
+            raise ImportError(
+                f"{MODE_ENV_VAR}=1, but there is no {NATIVE_LIB_NAME} (tried {tried})")
+        return None
+    try:
+        # The library the ctypes bindings find and check first: the op library needs it by
+        # soname (libmoe_routing.so.1), so it binds to that one wherever it lies.
+        _lib.load()
+        torch.ops.load_library(str(path))
+    except Exception as e:
+        if mode == "1":
+            raise
+        warnings.warn(
+            f"moe_routing: the native ops {path} do not load ({e}); using the ctypes ops "
+            f"(rebuild them for this torch, or set {MODE_ENV_VAR}=0)",
+            RuntimeWarning,
+        )
+        return None
+    return path
+
+
+_native_path = _load_native()
+
+#: Which implementation of the ops is registered: ``"native"`` or ``"ctypes"``.
+BACKEND = "native" if _native_path is not None else "ctypes"
+
+
+class _NativeWorkspaces:
+    """The native ops' workspace cache, read-only, as ``_workspaces`` is the ctypes ops':
+    (device index, stream handle) -> the zeroed uint8 workspace tensor."""
+
+    def get(self, key, default=None):
+        device, stream = key
+        ws = torch.ops.moe_routing._cached_workspace(int(device), int(stream))
+        return default if ws is None else ws
+
+    def __getitem__(self, key):
+        ws = self.get(key)
+        if ws is None:
+            raise KeyError(key)
+        return ws
+
+    def __contains__(self, key) -> bool:
+        return self.get(key) is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Checks (the ctypes ops' and the fake implementations'; the native ops make the same in C++)
 
 
 def check_config(
@@ -131,6 +232,10 @@ def _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group
     check_config(int(H), int(E), int(K), n_group, topk_group, routed_scaling_factor)
 
 
+# --------------------------------------------------------------------------------------------
+# The ctypes ops' plumbing
+
+
 def _aligned(t: Tensor, align: int) -> Tensor:
     """`t`, or a fresh (aligned) copy if its data pointer is not `align`-byte aligned."""
     return t if t.data_ptr() % align == 0 else t.clone(memory_format=torch.contiguous_format)
@@ -159,13 +264,13 @@ _DTYPES = {
 # library leaves it zeroed, so no call allocates or clears one. While a CUDA graph is being
 # captured, a call whose stream has none large enough gets its own (zeroed in the graph, from
 # the graph's memory pool), and nothing is cached.
-_workspaces: Dict[Tuple[int, int], Tensor] = {}
+_ctypes_workspaces: Dict[Tuple[int, int], Tensor] = {}
 _workspaces_lock = threading.Lock()
 
 
 def _workspace(device: torch.device, stream: int, nbytes: int) -> Tensor:
     key = (device.index, stream)
-    ws = _workspaces.get(key)
+    ws = _ctypes_workspaces.get(key)
     if ws is not None and ws.numel() >= nbytes:
         return ws
     with torch.cuda.device(device):  # (capture is a property of that device's current stream)
@@ -173,12 +278,12 @@ def _workspace(device: torch.device, stream: int, nbytes: int) -> Tensor:
     if capturing:
         return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     with _workspaces_lock:
-        ws = _workspaces.get(key)
+        ws = _ctypes_workspaces.get(key)
         if ws is None or ws.numel() < nbytes:
             # (The old one may still be in use by queued work on this stream: the allocator
             # keeps its memory until that work is done.)
             ws = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-            _workspaces[key] = ws
+            _ctypes_workspaces[key] = ws
         return ws
 
 
@@ -196,7 +301,6 @@ def _spans(**tensors: Tensor) -> dict:
 # moe_routing::route
 
 
-@torch.library.custom_op("moe_routing::route", mutates_args=())
 def route(
     x: Tensor,
     weight: Tensor,
@@ -245,7 +349,6 @@ def route(
     return topk_idx, topk_weights, topk_scores
 
 
-@route.register_fake
 def _route_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
                 norm_topk_prob, precise_backward=False):
     _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
@@ -261,7 +364,6 @@ def _route_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_fact
 # moe_routing::route_backward
 
 
-@torch.library.custom_op("moe_routing::route_backward", mutates_args=())
 def route_backward(
     x: Tensor,
     weight: Tensor,
@@ -347,7 +449,6 @@ def route_backward(
     return grad_x, grad_w
 
 
-@route_backward.register_fake
 def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group,
                          topk_group, routed_scaling_factor, norm_topk_prob, precise=False,
                          grad_w_bf16=False):
@@ -395,7 +496,33 @@ def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
     return grad_x, grad_w, None, None, None, None, None, None, None
 
 
-route.register_autograd(_route_autograd_backward, setup_context=_setup_context)
+# --------------------------------------------------------------------------------------------
+# Registration: the native ops with this module's fake implementations and autograd, or the
+# Python functions above as custom ops.
+
+# The ctypes implementations stay callable as plain functions (the tests compare the two).
+_route_ctypes = route
+_route_backward_ctypes = route_backward
+
+if BACKEND == "native":
+    route = torch.ops.moe_routing.route
+    route_backward = torch.ops.moe_routing.route_backward
+    # (From this module: the op library names it with set_python_module.)
+    torch.library.register_fake("moe_routing::route", _route_fake)
+    torch.library.register_fake("moe_routing::route_backward", _route_backward_fake)
+    torch.library.register_autograd("moe_routing::route", _route_autograd_backward,
+                                    setup_context=_setup_context)
+    # The workspace cache of the ops in use: (device index, stream handle) -> workspace.
+    _workspaces = _NativeWorkspaces()
+else:
+    _workspaces = _ctypes_workspaces  # type: ignore[assignment]
+    route = torch.library.custom_op("moe_routing::route", mutates_args=())(route)
+    route.register_fake(_route_fake)
+    route_backward = torch.library.custom_op("moe_routing::route_backward",
+                                             mutates_args=())(route_backward)
+    route_backward.register_fake(_route_backward_fake)
+    route.register_autograd(_route_autograd_backward, setup_context=_setup_context)
 
 
-__all__ = ["route", "route_backward", "check_config", "MAX_HIDDEN", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["route", "route_backward", "check_config", "BACKEND", "native_library_path",
+           "MAX_HIDDEN", "MAX_EXPERTS", "MAX_TOP_K"]

@@ -1,0 +1,434 @@
+// Native PyTorch ops: moe_routing::route and moe_routing::route_backward, with the schemas and
+// semantics of the Python custom ops of moe_routing/ops.py, registered from C++ so that a call
+// goes from the dispatcher to the library's C ABI with no Python in between (most of the Python
+// ops' host time per call goes to argument handling and ctypes).
+//
+// The checks run once, here, before anything is allocated or launched, with the messages of
+// ops.py (ValueError, naming the argument); a non-zero status of the library raises a
+// RuntimeError with its text. Outputs come from PyTorch's caching allocator and every kernel runs
+// on the current CUDA stream of the input's device, so CUDA graph capture and torch.compile work.
+// The fake (meta) kernels and route's autograd are registered from Python (moe_routing.ops,
+// named by set_python_module below).
+
+#include <moe_routing/moe_routing.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <utility>
+
+namespace {
+
+// Limits of the kernels (router.h), as ops.py states them.
+constexpr int64_t kMaxHidden = 65536;
+constexpr int64_t kMaxExperts = 512;
+constexpr int64_t kMaxTopK = 16;
+constexpr int64_t kMaxTokens = 2147483647;
+constexpr int64_t kAny = -1;  // a dimension of any size (None in ops.py's messages)
+
+// ---------------------------------------------------------------------------------------------
+// Messages as Python writes them (ops.py's texts, which the tests match).
+
+const char* py_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return "torch.float32";
+    case c10::ScalarType::BFloat16: return "torch.bfloat16";
+    case c10::ScalarType::Half: return "torch.float16";
+    case c10::ScalarType::Double: return "torch.float64";
+    case c10::ScalarType::Int: return "torch.int32";
+    case c10::ScalarType::Long: return "torch.int64";
+    case c10::ScalarType::Short: return "torch.int16";
+    case c10::ScalarType::Char: return "torch.int8";
+    case c10::ScalarType::Byte: return "torch.uint8";
+    case c10::ScalarType::Bool: return "torch.bool";
+    case c10::ScalarType::ComplexFloat: return "torch.complex64";
+    case c10::ScalarType::ComplexDouble: return "torch.complex128";
+    default: return c10::toString(t);
+  }
+}
+
+std::string py_dtypes(std::initializer_list<c10::ScalarType> dtypes) {
+  std::string s;
+  for (auto t : dtypes) {
+    if (!s.empty()) s += " or ";
+    s += py_dtype(t);
+  }
+  return s;
+}
+
+// A tensor's shape as Python prints a tuple: (8, 64), (32,), ().
+std::string py_tuple(c10::IntArrayRef shape) {
+  std::ostringstream s;
+  s << '(';
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+// An expected shape as Python prints the list: [None, 64].
+std::string py_list(std::initializer_list<int64_t> shape) {
+  std::ostringstream s;
+  s << '[';
+  size_t i = 0;
+  for (int64_t n : shape) {
+    s << (i++ ? ", " : "");
+    if (n == kAny) s << "None"; else s << n;
+  }
+  s << ']';
+  return s.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks (ops.py's, in its order; the messages are built only on failure).
+
+void check_tensor(const char* name, const at::Tensor& t,
+                  std::initializer_list<c10::ScalarType> dtypes,
+                  std::initializer_list<int64_t> shape) {
+  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(shape.size()), name, " must have ",
+                    shape.size(), " dimension(s) ", py_list(shape), ", got shape ",
+                    py_tuple(t.sizes()));
+  bool dtype_ok = false;
+  for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+  TORCH_CHECK_VALUE(dtype_ok, name, " must be ", py_dtypes(dtypes), ", got ",
+                    py_dtype(t.scalar_type()));
+  int64_t i = 0;
+  for (int64_t n : shape) {
+    TORCH_CHECK_VALUE(n == kAny || t.size(i) == n, name, " must have shape ", py_list(shape),
+                      ", got ", py_tuple(t.sizes()));
+    ++i;
+  }
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (call .contiguous())");
+}
+
+void check_config(int64_t H, int64_t E, int64_t K, int64_t n_group, int64_t topk_group,
+                  double routed_scaling_factor) {
+  TORCH_CHECK_VALUE(H > 0 && H % 8 == 0 && H <= kMaxHidden,
+                    "hidden_size must be a positive multiple of 8 up to ", kMaxHidden, ", got ",
+                    H);
+  TORCH_CHECK_VALUE(E > 0 && E <= kMaxExperts, "n_routed_experts must be in 1..", kMaxExperts,
+                    ", got ", E);
+  TORCH_CHECK_VALUE(K > 0 && K <= kMaxTopK, "num_experts_per_tok (top_k) must be in 1..",
+                    kMaxTopK, ", got ", K);
+  TORCH_CHECK_VALUE(n_group > 0 && E % n_group == 0, "n_group (", n_group,
+                    ") must be positive and divide n_routed_experts (", E, ")");
+  TORCH_CHECK_VALUE(topk_group > 0 && topk_group <= n_group, "topk_group must be in 1..n_group (",
+                    n_group, "), got ", topk_group);
+  const int64_t per_group = E / n_group;
+  TORCH_CHECK_VALUE(!(n_group > 1 && per_group < 2),
+                    "groups need at least 2 experts (the group score is the sum of the two "
+                    "best), got ", E, " experts in ", n_group, " groups");
+  TORCH_CHECK_VALUE(K <= topk_group * per_group, "num_experts_per_tok (", K,
+                    ") exceeds the number of candidate experts (topk_group ", topk_group, " x ",
+                    per_group, " experts per group)");
+  TORCH_CHECK_VALUE(std::isfinite(routed_scaling_factor),
+                    "routed_scaling_factor must be finite, got ", routed_scaling_factor);
+}
+
+void check_device(const at::Tensor& x, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), name, " is on ", t.device(), ", but x is on ",
+                    x.device());
+}
+
+void check_tokens(int64_t T) {
+  TORCH_CHECK_VALUE(T <= kMaxTokens, "at most ", kMaxTokens, " tokens are supported, got ", T);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The library.
+
+void check_abi() {
+  // Python loads the library its bindings checked, and this one binds to it by soname; a C++
+  // caller may have put another one first.
+  static const int32_t abi = moe_routing_abi_version();
+  TORCH_CHECK(abi == MOE_ROUTING_ABI_VERSION, "the moe_routing library has C ABI version ", abi,
+              ", but its PyTorch ops were built for version ", MOE_ROUTING_ABI_VERSION,
+              ": install both from the same release");
+}
+
+void check_status(int32_t status, const char* what) {
+  TORCH_CHECK(status == MOE_ROUTING_SUCCESS, what, " failed: ",
+              moe_routing_status_string(status), " (status ", status, ")");
+}
+
+moe_routing_config make_config(int64_t H, int64_t E, int64_t K, int64_t n_group,
+                               int64_t topk_group, double routed_scaling_factor,
+                               bool norm_topk_prob) {
+  moe_routing_config c{};
+  c.struct_size = sizeof(c);
+  c.norm_topk_prob = norm_topk_prob ? 1 : 0;
+  c.hidden_size = H;
+  c.n_routed_experts = E;
+  c.num_experts_per_tok = K;
+  c.n_group = n_group;
+  c.topk_group = topk_group;
+  c.routed_scaling_factor = static_cast<float>(routed_scaling_factor);
+  return c;
+}
+
+template <typename T>
+const T* in(const at::Tensor& t) {
+  return static_cast<const T*>(t.const_data_ptr());
+}
+
+template <typename T>
+T* out(const at::Tensor& t) {
+  return static_cast<T*>(t.mutable_data_ptr());
+}
+
+// `t`, or a fresh (aligned) copy if its data is not 16-byte aligned (the kernels' vector loads).
+at::Tensor aligned16(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The weight as the kernels read it: bf16 (an f32 weight is rounded, as in the Python ops).
+at::Tensor bf16_weight(const at::Tensor& weight) {
+  return aligned16(weight.scalar_type() == at::kBFloat16 ? weight : weight.to(at::kBFloat16));
+}
+
+int32_t abi_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Float: return MOE_ROUTING_DTYPE_F32;
+    case c10::ScalarType::BFloat16: return MOE_ROUTING_DTYPE_BF16;
+    case c10::ScalarType::Int: return MOE_ROUTING_DTYPE_I32;
+    case c10::ScalarType::Long: return MOE_ROUTING_DTYPE_I64;
+    default: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unchecked dtype ", t);
+  return MOE_ROUTING_DTYPE_DECLARED;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward workspaces: one zeroed buffer per (device, stream), grown when a call needs more. The
+// library leaves it zeroed, so no call allocates or clears one. While a graph is being captured,
+// a call whose stream has none large enough gets its own (zeroed in the graph, from the graph's
+// pool) and nothing is cached: its zeroing runs only when the graph does, and its memory is the
+// graph's.
+
+using WorkspaceKey = std::pair<int64_t, uintptr_t>;  // (device index, cudaStream_t)
+
+struct Workspaces {
+  std::mutex mutex;
+  std::map<WorkspaceKey, at::Tensor> cache;
+};
+
+Workspaces& workspaces() {
+  // Never destroyed: at exit the tensors would be freed after the CUDA allocator is gone.
+  static Workspaces* w = new Workspaces();
+  return *w;
+}
+
+// Needs `like`'s device current (a CUDAGuard), whose current stream is `stream`.
+at::Tensor workspace(const at::Tensor& like, cudaStream_t stream, int64_t nbytes) {
+  const WorkspaceKey key{like.get_device(), reinterpret_cast<uintptr_t>(stream)};
+  Workspaces& w = workspaces();
+  {
+    std::lock_guard<std::mutex> lock(w.mutex);
+    auto it = w.cache.find(key);
+    if (it != w.cache.end() && it->second.numel() >= nbytes) return it->second;
+  }
+  const auto options = like.options().dtype(at::kByte);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return at::zeros({nbytes}, options);
+  }
+  std::lock_guard<std::mutex> lock(w.mutex);
+  at::Tensor& slot = w.cache[key];
+  if (!slot.defined() || slot.numel() < nbytes) {
+    // (The old one may still be read by queued work on this stream: the caching allocator
+    // reuses its memory only in that stream's order.)
+    slot = at::zeros({nbytes}, options);
+  }
+  return slot;
+}
+
+// For tests: the cached workspace of (device, stream), or an undefined tensor (None).
+at::Tensor cached_workspace(int64_t device, int64_t stream) {
+  Workspaces& w = workspaces();
+  std::lock_guard<std::mutex> lock(w.mutex);
+  auto it = w.cache.find(WorkspaceKey{device, static_cast<uintptr_t>(stream)});
+  return it == w.cache.end() ? at::Tensor() : it->second;
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_routing::route
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
+    bool /*precise_backward: the backward's*/) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [T, H], got shape ", py_tuple(x.sizes()));
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [E, H], got shape ",
+                    py_tuple(weight.sizes()));
+  const int64_t T = x.size(0), H = x.size(1), E = weight.size(0), K = top_k;
+  check_tensor("x", x, {at::kBFloat16}, {kAny, H});
+  check_tensor("weight", weight, {at::kBFloat16, at::kFloat}, {E, H});
+  check_tensor("bias", bias, {at::kFloat}, {E});
+  check_config(H, E, K, n_group, topk_group, routed_scaling_factor);
+  TORCH_CHECK_VALUE(x.is_cuda(), "x must be a CUDA tensor, got device ", x.device());
+  check_device(x, "weight", weight);
+  check_device(x, "bias", bias);
+  check_tokens(T);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto topk_idx = at::empty({T, K}, x.options().dtype(at::kInt));
+  auto topk_weights = at::empty({T, K}, x.options().dtype(at::kFloat));
+  auto topk_scores = at::empty({T, K}, x.options().dtype(at::kFloat));
+  if (T == 0) return {topk_idx, topk_weights, topk_scores};
+  check_abi();
+  const at::Tensor xa = aligned16(x);
+  const at::Tensor w = bf16_weight(weight);
+  const moe_routing_config cfg =
+      make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob);
+
+  moe_routing_forward_args a{};  // (the optional outputs, scores and expert_counts: off)
+  a.struct_size = sizeof(a);
+  a.tokens = T;
+  a.x = in<uint16_t>(xa);
+  a.x_len = xa.numel();
+  a.w = in<uint16_t>(w);
+  a.w_len = w.numel();
+  a.bias = in<float>(bias);
+  a.bias_len = bias.numel();
+  a.topk_idx = out<int32_t>(topk_idx);
+  a.topk_idx_len = topk_idx.numel();
+  a.topk_weights = out<float>(topk_weights);
+  a.topk_weights_len = topk_weights.numel();
+  a.topk_scores = out<float>(topk_scores);
+  a.topk_scores_len = topk_scores.numel();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  check_status(moe_routing_forward(&cfg, &a, stream), "moe_routing_forward");
+  return {topk_idx, topk_weights, topk_scores};
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_routing::route_backward
+
+std::tuple<at::Tensor, at::Tensor> route_backward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& topk_idx,
+    const at::Tensor& topk_scores, const at::Tensor& grad_topk_weights, int64_t n_group,
+    int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob, bool precise,
+    bool grad_w_bf16) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be [T, H], got shape ", py_tuple(x.sizes()));
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [E, H], got shape ",
+                    py_tuple(weight.sizes()));
+  TORCH_CHECK_VALUE(topk_idx.dim() == 2, "topk_idx must be [T, K], got shape ",
+                    py_tuple(topk_idx.sizes()));
+  TORCH_CHECK_VALUE(topk_scores.dim() == 2, "topk_scores must be [T, K] or [T, E], got shape ",
+                    py_tuple(topk_scores.sizes()));
+  const int64_t T = x.size(0), H = x.size(1), E = weight.size(0), K = topk_idx.size(1);
+  check_tensor("x", x, {at::kBFloat16}, {kAny, H});
+  check_tensor("weight", weight, {at::kBFloat16, at::kFloat}, {E, H});
+  check_tensor("topk_idx", topk_idx, {at::kInt, at::kLong}, {T, K});
+  // The chosen experts' scores [T, K], or those of all experts [T, E] (read at the chosen).
+  const bool all_scores = topk_scores.size(1) != K;
+  check_tensor("topk_scores", topk_scores, {at::kFloat, at::kBFloat16}, {T, all_scores ? E : K});
+  check_tensor("grad_topk_weights", grad_topk_weights, {at::kFloat, at::kBFloat16}, {T, K});
+  TORCH_CHECK_VALUE(!(precise && grad_w_bf16),
+                    "grad_w_bf16: precise mode writes grad_w as float32 only");
+  check_config(H, E, K, n_group, topk_group, routed_scaling_factor);
+  TORCH_CHECK_VALUE(x.is_cuda(), "x must be a CUDA tensor, got device ", x.device());
+  check_device(x, "weight", weight);
+  check_device(x, "topk_idx", topk_idx);
+  check_device(x, "topk_scores", topk_scores);
+  check_device(x, "grad_topk_weights", grad_topk_weights);
+  check_tokens(T);
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto w_dtype = grad_w_bf16 ? at::kBFloat16 : at::kFloat;
+  auto grad_x = at::empty({T, H}, x.options().dtype(at::kBFloat16));
+  if (T == 0) return {grad_x, at::zeros({E, H}, x.options().dtype(w_dtype))};
+  auto grad_w = at::empty({E, H}, x.options().dtype(w_dtype));
+  check_abi();
+  const at::Tensor xa = aligned16(x);
+  const at::Tensor w = bf16_weight(weight);
+  const moe_routing_config cfg =
+      make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob);
+  const size_t ws_bytes = moe_routing_backward_workspace_bytes(&cfg, T);
+  TORCH_CHECK(ws_bytes > 0, "moe_routing_backward_workspace_bytes returned 0 for T=", T, ": ",
+              moe_routing_status_string(moe_routing_validate_config(&cfg)));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  const at::Tensor ws = workspace(x, stream, static_cast<int64_t>(ws_bytes));
+
+  moe_routing_backward_args a{};
+  a.struct_size = sizeof(a);
+  a.precision = precise ? MOE_ROUTING_PRECISION_PRECISE : MOE_ROUTING_PRECISION_DEFAULT;
+  a.tokens = T;
+  a.x = in<uint16_t>(xa);
+  a.x_len = xa.numel();
+  a.w = in<uint16_t>(w);
+  a.w_len = w.numel();
+  // (Pointers of the struct's declared types; the *_dtype fields say what they hold.)
+  a.topk_idx = static_cast<const int32_t*>(topk_idx.const_data_ptr());
+  a.topk_idx_len = topk_idx.numel();
+  if (all_scores) {
+    a.scores = topk_scores.const_data_ptr();
+    a.scores_len = topk_scores.numel();
+  } else {
+    a.topk_scores = static_cast<const float*>(topk_scores.const_data_ptr());
+    a.topk_scores_len = topk_scores.numel();
+  }
+  a.grad_topk_weights = static_cast<const float*>(grad_topk_weights.const_data_ptr());
+  a.grad_topk_weights_len = grad_topk_weights.numel();
+  a.grad_x = out<uint16_t>(grad_x);
+  a.grad_x_len = grad_x.numel();
+  a.grad_w = static_cast<float*>(grad_w.mutable_data_ptr());
+  a.grad_w_len = grad_w.numel();
+  a.workspace = ws.mutable_data_ptr();
+  a.workspace_bytes = ws.numel();
+  a.accumulate_grad_w = 0;
+  a.topk_idx_dtype = abi_dtype(topk_idx.scalar_type());
+  a.scores_dtype = abi_dtype(topk_scores.scalar_type());
+  a.grad_topk_weights_dtype = abi_dtype(grad_topk_weights.scalar_type());
+  a.grad_w_dtype = abi_dtype(w_dtype);
+  check_status(moe_routing_backward(&cfg, &a, stream), "moe_routing_backward");
+  return {grad_x, grad_w};
+}
+
+}  // namespace
+
+// The schemas of the Python custom ops (Python ints are SymInt there).
+TORCH_LIBRARY(moe_routing, m) {
+  m.set_python_module("moe_routing.ops");
+  m.def(
+      "route(Tensor x, Tensor weight, Tensor bias, SymInt top_k, SymInt n_group, "
+      "SymInt topk_group, float routed_scaling_factor, bool norm_topk_prob, "
+      "bool precise_backward=False) -> (Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "route_backward(Tensor x, Tensor weight, Tensor topk_idx, Tensor topk_scores, "
+      "Tensor grad_topk_weights, SymInt n_group, SymInt topk_group, "
+      "float routed_scaling_factor, bool norm_topk_prob, bool precise=False, "
+      "bool grad_w_bf16=False) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  m.def("_cached_workspace(int device, int stream) -> Tensor", &cached_workspace);
+}
+
+TORCH_LIBRARY_IMPL(moe_routing, CUDA, m) {
+  m.impl("route", &route);
+  m.impl("route_backward", &route_backward);
+}
+
+// CPU tensors get the same checks, and the same ValueError for the device, as in ops.py.
+TORCH_LIBRARY_IMPL(moe_routing, CPU, m) {
+  m.impl("route", &route);
+  m.impl("route_backward", &route_backward);
+}
+
+// Not differentiable: backpropagating through it raises (route's autograd is ops.py's).
+TORCH_LIBRARY_IMPL(moe_routing, Autograd, m) {
+  m.impl("route_backward", torch::autograd::autogradNotImplementedFallback());
+}
