@@ -29,6 +29,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace {
@@ -179,14 +180,14 @@ moe_routing_config make_config(int64_t H, int64_t E, int64_t K, int64_t n_group,
   return c;
 }
 
-template <typename T>
-const T* in(const at::Tensor& t) {
-  return static_cast<const T*>(t.const_data_ptr());
-}
-
-template <typename T>
-T* out(const at::Tensor& t) {
-  return static_cast<T*>(t.mutable_data_ptr());
+// Points an ABI struct's buffer field at `t` and sets its element count. The field keeps its
+// declared type (for appended fields the *_dtype fields say what it holds); a const field reads
+// `t`, a mutable one writes it.
+template <typename P>
+void bind(P*& ptr, int64_t& len, const at::Tensor& t) {
+  if constexpr (std::is_const_v<P>) ptr = static_cast<P*>(t.const_data_ptr());
+  else ptr = static_cast<P*>(t.mutable_data_ptr());
+  len = t.numel();
 }
 
 // `t`, or a fresh (aligned) copy if its data is not 16-byte aligned (the kernels' vector loads).
@@ -297,18 +298,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
   moe_routing_forward_args a{};  // (the optional outputs, scores and expert_counts: off)
   a.struct_size = sizeof(a);
   a.tokens = T;
-  a.x = in<uint16_t>(xa);
-  a.x_len = xa.numel();
-  a.w = in<uint16_t>(w);
-  a.w_len = w.numel();
-  a.bias = in<float>(bias);
-  a.bias_len = bias.numel();
-  a.topk_idx = out<int32_t>(topk_idx);
-  a.topk_idx_len = topk_idx.numel();
-  a.topk_weights = out<float>(topk_weights);
-  a.topk_weights_len = topk_weights.numel();
-  a.topk_scores = out<float>(topk_scores);
-  a.topk_scores_len = topk_scores.numel();
+  bind(a.x, a.x_len, xa);
+  bind(a.w, a.w_len, w);
+  bind(a.bias, a.bias_len, bias);
+  bind(a.topk_idx, a.topk_idx_len, topk_idx);
+  bind(a.topk_weights, a.topk_weights_len, topk_weights);
+  bind(a.topk_scores, a.topk_scores_len, topk_scores);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   check_status(moe_routing_forward(&cfg, &a, stream), "moe_routing_forward");
   return {topk_idx, topk_weights, topk_scores};
@@ -367,26 +362,17 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   a.struct_size = sizeof(a);
   a.precision = precise ? MOE_ROUTING_PRECISION_PRECISE : MOE_ROUTING_PRECISION_DEFAULT;
   a.tokens = T;
-  a.x = in<uint16_t>(xa);
-  a.x_len = xa.numel();
-  a.w = in<uint16_t>(w);
-  a.w_len = w.numel();
-  // (Pointers of the struct's declared types; the *_dtype fields say what they hold.)
-  a.topk_idx = static_cast<const int32_t*>(topk_idx.const_data_ptr());
-  a.topk_idx_len = topk_idx.numel();
+  bind(a.x, a.x_len, xa);
+  bind(a.w, a.w_len, w);
+  bind(a.topk_idx, a.topk_idx_len, topk_idx);
   if (all_scores) {
-    a.scores = topk_scores.const_data_ptr();
-    a.scores_len = topk_scores.numel();
+    bind(a.scores, a.scores_len, topk_scores);
   } else {
-    a.topk_scores = static_cast<const float*>(topk_scores.const_data_ptr());
-    a.topk_scores_len = topk_scores.numel();
+    bind(a.topk_scores, a.topk_scores_len, topk_scores);
   }
-  a.grad_topk_weights = static_cast<const float*>(grad_topk_weights.const_data_ptr());
-  a.grad_topk_weights_len = grad_topk_weights.numel();
-  a.grad_x = out<uint16_t>(grad_x);
-  a.grad_x_len = grad_x.numel();
-  a.grad_w = static_cast<float*>(grad_w.mutable_data_ptr());
-  a.grad_w_len = grad_w.numel();
+  bind(a.grad_topk_weights, a.grad_topk_weights_len, grad_topk_weights);
+  bind(a.grad_x, a.grad_x_len, grad_x);
+  bind(a.grad_w, a.grad_w_len, grad_w);
   a.workspace = ws.mutable_data_ptr();
   a.workspace_bytes = ws.numel();
   a.accumulate_grad_w = 0;
