@@ -1,0 +1,280 @@
+//! The backward against the f64 reference: small, fused and suite shapes, every grad_w sum,
+//! other expert counts and top-k, unaligned routing rows, determinism.
+
+use super::*;
+
+pub(super) fn backward_small_shapes(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in small_configs().into_iter().enumerate() {
+        let seed = fresh_seed() ^ (i as u64) << 8;
+        check_case(s, &cfg, tokens, seed, &format!("{cfg:?} T={tokens}"));
+    }
+}
+
+// The fused backward sums grad_w over the CTAs of a hidden slice in one of three ways, picked
+// by shape and device (fused_backward.cu). On an H200: H = 1024, T = 1024 sums in clusters of
+// 8, and H = 7168, T = 4096 in clusters of 2; H = 1024, T = 2048 spreads the sum over 16 CTAs
+// through global memory, and H = 5120, T = 1536 over 3; H = 20480 (more slices than SMs) has
+// the last CTA of a slice sum it; H = 10240, T = 256 (one CTA per 128-column slice) needs no
+// sum, and H = 5120, T = 512 takes 64-column slices, one CTA each, whose wgrad warpgroup
+// writes grad_w. Each is checked against the reference and for bitwise-equal repeats,
+// in both precisions (precise mode: two sweeps in one launch, or at H = 20480, where a CTA's
+// units span slices, two launches, the second accumulating).
+pub(super) fn backward_grad_w_sums(s: &Arc<CudaStream>) {
+    for (i, (hidden_size, tokens)) in [
+        (1024, 1024),
+        (1024, 2048),
+        (7168, 4096),
+        (20480, 256),
+        (10240, 256),
+        (5120, 512),
+        (5120, 1536),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cfg = RouterConfig {
+            hidden_size,
+            ..RouterConfig::glm45(8, 4)
+        };
+        let seed = fresh_seed() ^ (i as u64) << 12;
+        check_case(
+            s,
+            &cfg,
+            tokens,
+            seed,
+            &format!("H={hidden_size} T={tokens}"),
+        );
+        assert_deterministic(s, &cfg, tokens, &[Precision::Default, Precision::Precise]);
+    }
+}
+
+/// The fused backward's other expert counts: 256 (DeepSeek-V3: 64-column slices, one consumer
+/// warpgroup taking dgrad and the other wgrad) and 128 (GLM-4.5-Air: the same kernels as 160,
+/// 64-column slices at small T, 128-column ones with grad_w summed over a slice's CTAs above),
+/// against the reference in both precisions, accumulating or not, and bitwise repeatable.
+pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
+    let v3 = deepseek_v3(7168);
+    let glm45_air = RouterConfig {
+        hidden_size: 4096,
+        n_routed_experts: 128,
+        num_experts_per_tok: 8,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 1.0,
+        norm_topk_prob: true,
+    };
+    // 256 experts with few slices (16 of 64 columns), one group.
+    let narrow = RouterConfig {
+        hidden_size: 1024,
+        n_group: 1,
+        topk_group: 1,
+        ..v3
+    };
+    for (i, (cfg, tokens)) in [
+        (v3, 1),
+        (v3, 300),
+        (v3, 2000),
+        (narrow, 3001),
+        (glm45_air, 7),
+        (glm45_air, 1000),
+        (glm45_air, 3001),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_fused_case(s, &cfg, tokens, fresh_seed() ^ (i as u64) << 16);
+    }
+}
+
+/// One shape on the fused kernels: against the reference in both precisions, accumulating or
+/// not, and bitwise repeatable. The fused kernels take G as bf16 in the default mode (grad_w
+/// ~1e-3 off); the simple path's fp32 G would leave ~1e-6, so a shape that fell back to it
+/// fails.
+pub(super) fn check_fused_case(s: &Arc<CudaStream>, cfg: &RouterConfig, tokens: usize, seed: u64) {
+    let label = format!("{cfg:?} T={tokens}");
+    let [default, _] = check_case(s, cfg, tokens, seed, &label);
+    assert!(
+        default.grad_w > 1e-4,
+        "{label}: grad_w err {:e}, not the fused kernel's",
+        default.grad_w
+    );
+    if tokens > 1 {
+        assert_deterministic(s, cfg, tokens, &[Precision::Default, Precision::Precise]);
+    }
+}
+
+/// The fused backward for any K up to 8 (its any-K kernels, which load the routing rows element
+/// by element): Moonlight's router (64 experts, top-6), dots.llm1's (128, top-6), K = 7 and
+/// K = 1 on 160 experts, K = 4 on 256, and 64 experts at K = 8 (they have no K = 8 kernels of
+/// their own), at small T (64-column slices) and above (128-column ones, grad_w summed over a
+/// slice's CTAs); each by check_fused_case.
+pub(super) fn backward_fused_any_top_k(s: &Arc<CudaStream>) {
+    let moonlight = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 64,
+        num_experts_per_tok: 6,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 2.446,
+        norm_topk_prob: true,
+    };
+    let dots = RouterConfig {
+        hidden_size: 4096,
+        n_routed_experts: 128,
+        routed_scaling_factor: 2.5,
+        ..moonlight
+    };
+    let glm45_k7 = RouterConfig {
+        num_experts_per_tok: 7,
+        ..RouterConfig::glm45(8, 4)
+    };
+    let glm45_k1 = RouterConfig {
+        num_experts_per_tok: 1,
+        norm_topk_prob: false, // (normalized, one expert's weight is 1: no gradient)
+        ..RouterConfig::glm45(1, 1)
+    };
+    let v3_k4 = RouterConfig {
+        num_experts_per_tok: 4,
+        ..deepseek_v3(1024)
+    };
+    let e64_k8 = RouterConfig {
+        num_experts_per_tok: 8,
+        n_group: 8,
+        topk_group: 4,
+        ..moonlight
+    };
+    for (i, (cfg, tokens)) in [
+        (moonlight, 5),
+        (moonlight, 700),
+        (moonlight, 3001),
+        (dots, 300),
+        (dots, 3001),
+        (glm45_k7, 1000),
+        (glm45_k7, 3001),
+        (glm45_k1, 2000),
+        (v3_k4, 1500),
+        (e64_k8, 2048),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_fused_case(s, &cfg, tokens, fresh_seed() ^ (i as u64) << 20);
+    }
+}
+
+/// Routing rows that are not 16-byte aligned (views one element into their buffers, as a
+/// caller's slices may be) cannot take the K = 8 kernels' vector loads: the call takes the any-K
+/// kernels, and gives the same bits as with aligned rows.
+pub(super) fn backward_unaligned_routing_rows(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in [
+        (RouterConfig::glm45(8, 4), 300),
+        (RouterConfig::glm45(8, 4), 3001),
+        (deepseek_v3(1024), 700),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(fresh_seed() ^ (i as u64) << 24);
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut rng);
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        let tk = tokens * cfg.num_experts_per_tok;
+        let grad_out = random_grad(tk, &mut rng);
+        // Each routing input again, one element into a buffer of its own.
+        let shifted = |v: &[f32]| {
+            let mut buf = vec![0.0f32; tk + 1];
+            buf[1..].copy_from_slice(&v[..tk]);
+            upload(s, &buf)
+        };
+        let mut idx = vec![0i32; tk + 1];
+        idx[1..].copy_from_slice(&fwd.idx[..tk]);
+        let (idx, scores, grads) = (upload(s, &idx), shifted(&fwd.scores), shifted(&grad_out));
+        let (x, w, g) = (upload(s, &inp.x), upload(s, &inp.w), upload(s, &grad_out));
+        for precision in [Precision::Default, Precision::Precise] {
+            let opts = BackwardOptions {
+                accumulate_grad_w: false,
+                precision,
+            };
+            let aligned_rows = (&fwd.dev.topk_idx, &fwd.dev.topk_scores, &g);
+            let aligned = gpu_backward_on(s, &router, tokens, (&x, &w), aligned_rows, opts, None);
+            let shifted_rows = (&idx.slice(1..), &scores.slice(1..), &grads.slice(1..));
+            let got = gpu_backward_on(s, &router, tokens, (&x, &w), shifted_rows, opts, None);
+            let label = format!("{cfg:?} T={tokens} {precision:?}");
+            assert!(
+                bits(&got.grad_x) == bits(&aligned.grad_x),
+                "{label}: grad_x differs"
+            );
+            assert!(
+                bits(&got.grad_w) == bits(&aligned.grad_w),
+                "{label}: grad_w differs"
+            );
+        }
+    }
+}
+
+pub(super) fn backward_is_deterministic(s: &Arc<CudaStream>) {
+    let cfg = RouterConfig::glm45(8, 4);
+    assert_deterministic(s, &cfg, 3001, &[Precision::Default, Precision::Precise]);
+}
+
+// Two backward calls on the same inputs give the same bits.
+pub(super) fn assert_deterministic(
+    s: &Arc<CudaStream>,
+    cfg: &RouterConfig,
+    tokens: usize,
+    modes: &[Precision],
+) {
+    let cfg = *cfg;
+    let mut rng = Rng::new(fresh_seed());
+    let router = Router::new(cfg).unwrap();
+    let inp = Inputs::random(&cfg, tokens, &mut rng);
+    let fwd = gpu_forward(s, &router, tokens, &inp);
+    let grad_out = random_grad(tokens * cfg.num_experts_per_tok, &mut rng);
+    for &precision in modes {
+        let opts = BackwardOptions {
+            accumulate_grad_w: false,
+            precision,
+        };
+        let a = gpu_backward(
+            s,
+            &router,
+            tokens,
+            &inp,
+            &fwd.dev.topk_idx,
+            &fwd.dev.topk_scores,
+            &grad_out,
+            opts,
+            None,
+        );
+        let b = gpu_backward(
+            s,
+            &router,
+            tokens,
+            &inp,
+            &fwd.dev.topk_idx,
+            &fwd.dev.topk_scores,
+            &grad_out,
+            opts,
+            None,
+        );
+        assert!(
+            bits(&a.grad_x) == bits(&b.grad_x),
+            "grad_x differs between runs ({cfg:?} T={tokens} {precision:?})"
+        );
+        assert!(
+            bits(&a.grad_w) == bits(&b.grad_w),
+            "grad_w differs between runs ({cfg:?} T={tokens} {precision:?})"
+        );
+    }
+}
+
+pub(super) fn suite_backward(s: &Arc<CudaStream>) {
+    for case in suite_cases() {
+        let seed = fresh_seed();
+        let [d, p] = check_case(s, &case.config, case.tokens, seed, &case.name);
+        println!(
+            "  backward {:<14} rel err default: grad_x {:.2e} grad_w {:.2e} | precise: grad_x {:.2e} grad_w {:.2e}",
+            case.name, d.grad_x, d.grad_w, p.grad_x, p.grad_w
+        );
+    }
+}
