@@ -85,12 +85,12 @@ int active_clusters(int device, int64_t experts, int k) {
 // from the last unit to the end). Where the slices outnumber the SMs, one range per SM
 // (last-CTA sum). Where twice as many 64-column slices fit on the SMs, each CTA may instead
 // take one whole 64-column slice: no partial sums at all, a unit about kUnit64 of a 128-column
-// one (0.55: both plans measured single-call at H = 5120, E = 160, the 64-column one faster by
-// 1.2-1.6 µs at 12 tiles, even at 13-15, slower from 16; docs/perf-log/backward.md
-// v23).
+// one (0.555: both plans measured single-call at H = 5120, E = 160, the 64-column one faster by
+// 1.2-1.6 µs at 12 tiles, even at 13-15, slower from 16, where 0.55 would tie with the sum
+// over 3 CTAs and keep 64 columns; docs/perf-log/backward.md v23).
 BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
-  constexpr double kUnit64 = 0.55;
+  constexpr double kUnit64 = 0.555;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};

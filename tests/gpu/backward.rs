@@ -13,7 +13,8 @@ pub(super) fn backward_small_shapes(s: &Arc<CudaStream>) {
 // The fused backward sums grad_w over the CTAs of a hidden slice in one of three ways, picked
 // by shape and device (fused_backward.cu). On an H200: H = 1024, T = 1024 sums in clusters of
 // 8, and H = 7168, T = 4096 in clusters of 2; H = 1024, T = 2048 spreads the sum over 16 CTAs
-// through global memory, and H = 5120, T = 1536 over 3; H = 20480 (more slices than SMs) has
+// through global memory, and H = 5120, T = 2048 over 3 (T = 1536, below, takes 64-column slices
+// since v23); H = 20480 (more slices than SMs) has
 // the last CTA of a slice sum it; H = 10240, T = 256 (one CTA per 128-column slice) needs no
 // sum, and H = 5120, T = 512 takes 64-column slices, one CTA each, whose wgrad warpgroup
 // writes grad_w. Each is checked against the reference and for bitwise-equal repeats,
@@ -28,6 +29,7 @@ pub(super) fn backward_grad_w_sums(s: &Arc<CudaStream>) {
         (10240, 256),
         (5120, 512),
         (5120, 1536),
+        (5120, 2048),
     ]
     .into_iter()
     .enumerate()
