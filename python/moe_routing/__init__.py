@@ -1,8 +1,9 @@
 """PyTorch bindings of moe-routing: the grouped top-k MoE router of DeepSeek-V3 / GLM-4.5
 (HF transformers' "noaux_tc" router) as CUDA kernels for Hopper (sm_90a).
 
-* :class:`GroupedTopKRouter`: drop-in for transformers' ``DeepseekV3TopkRouter`` /
-  ``Glm4MoeTopkRouter`` (see :func:`replace_hf_routers`);
+* :class:`GroupedTopKRouter`: drop-in for transformers' grouped top-k routers
+  (``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``, ``Glm4MoeLiteTopkRouter``,
+  ``Dots1TopkRouter`` and others; :func:`replace_hf_routers` finds them by structure);
 * ``torch.ops.moe_routing.route`` / ``route_backward`` (also :func:`route`,
   :func:`route_backward`): the custom ops, native (C++, ``libmoe_routing_torch.so``) where
   that library is present, else Python ones over ctypes (:mod:`moe_routing.ops` says which);
