@@ -47,6 +47,8 @@ struct ForwardArgs {
     scores_len: i64,
     expert_counts: *mut i32,
     expert_counts_len: i64,
+    flags: u32,
+    device: i32,
 }
 
 #[repr(C)]
@@ -78,6 +80,8 @@ struct BackwardArgs {
     scores_dtype: i32,
     grad_topk_weights_dtype: i32,
     grad_w_dtype: i32,
+    flags: u32,
+    device: i32,
 }
 
 extern "C" {
@@ -143,6 +147,8 @@ fn forward_args() -> ForwardArgs {
         scores_len: 0,
         expert_counts: null_mut(),
         expert_counts_len: 0,
+        flags: 0,
+        device: 0,
     }
 }
 
@@ -175,6 +181,8 @@ fn backward_args() -> BackwardArgs {
         scores_dtype: 0,
         grad_topk_weights_dtype: 0,
         grad_w_dtype: 0,
+        flags: 0,
+        device: 0,
     }
 }
 
@@ -193,11 +201,13 @@ fn layout_matches_the_header() {
     assert_eq!(size_of::<Config>(), 56);
     assert_eq!(offset_of!(Config, hidden_size), 8);
     assert_eq!(offset_of!(Config, routed_scaling_factor), 48);
-    assert_eq!(size_of::<ForwardArgs>(), 144);
+    assert_eq!(size_of::<ForwardArgs>(), 152);
+    assert_eq!(offset_of!(ForwardArgs, flags), 144); // MOE_ROUTING_FORWARD_ARGS_SIZE_V2
     assert_eq!(offset_of!(ForwardArgs, topk_scores_len), 104);
     assert_eq!(offset_of!(ForwardArgs, scores), 112); // MOE_ROUTING_FORWARD_ARGS_SIZE_V1
     assert_eq!(offset_of!(ForwardArgs, expert_counts_len), 136);
-    assert_eq!(size_of::<BackwardArgs>(), 184);
+    assert_eq!(size_of::<BackwardArgs>(), 192);
+    assert_eq!(offset_of!(BackwardArgs, flags), 184); // MOE_ROUTING_BACKWARD_ARGS_SIZE_V2
     assert_eq!(offset_of!(BackwardArgs, scores), 152); // MOE_ROUTING_BACKWARD_ARGS_SIZE_V1
     assert_eq!(offset_of!(BackwardArgs, workspace_bytes), 136);
     assert_eq!(offset_of!(BackwardArgs, accumulate_grad_w), 144);
@@ -293,7 +303,7 @@ fn struct_size_must_match() {
     }
     let c = glm();
     let mut f = forward_args();
-    f.struct_size -= 8;
+    f.struct_size -= 4;
     assert_eq!(
         unsafe { moe_routing_forward(&c, &f, null_mut()) },
         INVALID_CONFIG
@@ -639,4 +649,81 @@ fn random_arguments_get_the_first_error_and_never_launch() {
             }
         }
     }
+}
+
+#[test]
+fn checked_device_flags() {
+    // Unknown flag bits, a negative device with MOE_ROUTING_FLAG_CHECKED_DEVICE, or a device
+    // without it are refused before anything else; with the flag the host checks still run
+    // (here a missing x: NULL_POINTER, with or without a GPU).
+    let c = glm();
+    let bad: [(u32, i32); 4] = [(2, 0), (1 | 4, 0), (1, -1), (0, 3)];
+    for (flags, device) in bad {
+        let f = ForwardArgs {
+            tokens: 4,
+            flags,
+            device,
+            ..forward_args()
+        };
+        let b = BackwardArgs {
+            tokens: 4,
+            flags,
+            device,
+            ..backward_args()
+        };
+        let what = format!("flags {flags}, device {device}");
+        assert_eq!(
+            unsafe { moe_routing_forward(&c, &f, null_mut()) },
+            INVALID_CONFIG,
+            "{what}"
+        );
+        assert_eq!(
+            unsafe { moe_routing_backward(&c, &b, null_mut()) },
+            INVALID_CONFIG,
+            "{what}"
+        );
+    }
+    for device in [0, 7] {
+        let f = ForwardArgs {
+            tokens: 4,
+            flags: 1,
+            device,
+            ..forward_args()
+        };
+        let b = BackwardArgs {
+            tokens: 4,
+            flags: 1,
+            device,
+            ..backward_args()
+        };
+        assert_eq!(
+            unsafe { moe_routing_forward(&c, &f, null_mut()) },
+            NULL_POINTER
+        );
+        assert_eq!(
+            unsafe { moe_routing_backward(&c, &b, null_mut()) },
+            NULL_POINTER
+        );
+    }
+    // The second release's structs end before the flags, which are then not read.
+    let f = ForwardArgs {
+        struct_size: 144,
+        tokens: 4,
+        flags: 2,
+        ..forward_args()
+    };
+    let b = BackwardArgs {
+        struct_size: 184,
+        tokens: 4,
+        flags: 2,
+        ..backward_args()
+    };
+    assert_eq!(
+        unsafe { moe_routing_forward(&c, &f, null_mut()) },
+        NULL_POINTER
+    );
+    assert_eq!(
+        unsafe { moe_routing_backward(&c, &b, null_mut()) },
+        NULL_POINTER
+    );
 }

@@ -16,13 +16,17 @@ static_assert(sizeof(moe_routing_config) == 56, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, hidden_size) == 8, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, routed_scaling_factor) == 48,
               "moe_routing_config layout");
-static_assert(sizeof(moe_routing_forward_args) == 144, "moe_routing_forward_args layout");
+static_assert(sizeof(moe_routing_forward_args) == 152, "moe_routing_forward_args layout");
+static_assert(offsetof(moe_routing_forward_args, flags) == MOE_ROUTING_FORWARD_ARGS_SIZE_V2,
+              "moe_routing_forward_args: flags appended to the second release's struct");
 static_assert(offsetof(moe_routing_forward_args, scores) == MOE_ROUTING_FORWARD_ARGS_SIZE_V1,
               "moe_routing_forward_args: optional outputs appended to the first release's struct");
 static_assert(offsetof(moe_routing_forward_args, tokens) == 8, "moe_routing_forward_args layout");
 static_assert(offsetof(moe_routing_forward_args, topk_scores_len) == 104,
               "moe_routing_forward_args layout");
-static_assert(sizeof(moe_routing_backward_args) == 184, "moe_routing_backward_args layout");
+static_assert(sizeof(moe_routing_backward_args) == 192, "moe_routing_backward_args layout");
+static_assert(offsetof(moe_routing_backward_args, flags) == MOE_ROUTING_BACKWARD_ARGS_SIZE_V2,
+              "moe_routing_backward_args: flags appended to the second release's struct");
 static_assert(offsetof(moe_routing_backward_args, scores) == MOE_ROUTING_BACKWARD_ARGS_SIZE_V1,
               "moe_routing_backward_args: dtypes appended to the first release's struct");
 static_assert(offsetof(moe_routing_backward_args, tokens) == 8,
@@ -72,12 +76,24 @@ Status to_config(const moe_routing_config* c, moe_routing::RouterConfig* out) {
   return Status::kSuccess;
 }
 
+// `flags` and `device` (structs that have them): the checked device, or -1.
+bool to_checked_device(uint32_t flags, int32_t device, int* out) {
+  if ((flags & ~MOE_ROUTING_FLAG_CHECKED_DEVICE) != 0) return false;  // unknown bits
+  if (!(flags & MOE_ROUTING_FLAG_CHECKED_DEVICE)) return device == 0 && (*out = -1, true);
+  if (device < 0) return false;
+  *out = device;
+  return true;
+}
+
 Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* out) {
   if (a == nullptr) return Status::kNullPointer;
   const bool v1 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V1;
-  if ((!v1 && a->struct_size != sizeof(moe_routing_forward_args)) || a->reserved != 0)
+  const bool v2 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V2;
+  if ((!v1 && !v2 && a->struct_size != sizeof(moe_routing_forward_args)) || a->reserved != 0)
     return Status::kInvalidConfig;
   moe_routing::ForwardArgs f;
+  if (!v1 && !v2 && !to_checked_device(a->flags, a->device, &f.checked_device))
+    return Status::kInvalidConfig;
   f.tokens = a->tokens;
   f.x = {a->x, a->x_len};
   f.w = {a->w, a->w_len};
@@ -115,7 +131,11 @@ Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs
   using moe_routing::DType;
   if (a == nullptr) return Status::kNullPointer;
   const bool v1 = a->struct_size == MOE_ROUTING_BACKWARD_ARGS_SIZE_V1;
-  if ((!v1 && a->struct_size != sizeof(moe_routing_backward_args)) || a->reserved != 0)
+  const bool v2 = a->struct_size == MOE_ROUTING_BACKWARD_ARGS_SIZE_V2;
+  if ((!v1 && !v2 && a->struct_size != sizeof(moe_routing_backward_args)) || a->reserved != 0)
+    return Status::kInvalidConfig;
+  int checked_device = -1;
+  if (!v1 && !v2 && !to_checked_device(a->flags, a->device, &checked_device))
     return Status::kInvalidConfig;
   if (a->precision != MOE_ROUTING_PRECISION_DEFAULT &&
       a->precision != MOE_ROUTING_PRECISION_PRECISE &&
@@ -141,6 +161,7 @@ Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs
   b.grad_x = {a->grad_x, a->grad_x_len};
   b.grad_w = {a->grad_w, a->grad_w_len, grad_w_t};
   b.workspace = {static_cast<uint8_t*>(a->workspace), a->workspace_bytes};
+  b.checked_device = checked_device;
   *out = b;
   return Status::kSuccess;
 }

@@ -103,10 +103,19 @@ Status check_tokens(const RouterConfig& cfg, int64_t tokens) {
   return Status::kSuccess;
 }
 
+// checked_device >= 0: the caller vouches for the buffers' device and the stream's (the args'
+// checked_device), and pass 2 is skipped.
 template <size_t N>
-Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int* device) {
+Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int checked_device,
+                 int* device) {
   for (const Buffer& b : buffers)
     if (Status s = check_host(b); s != Status::kSuccess) return s;
+  if (checked_device >= 0) {
+    static const int count = device_count();  // (a device index out of range is no claim)
+    if (checked_device >= count) return Status::kInvalidConfig;
+    *device = checked_device;
+    return Status::kSuccess;
+  }
   RelaxedCaptureScope relaxed;
   if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
   for (const Buffer& b : buffers)
@@ -142,7 +151,7 @@ Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStrea
       {a.scores.data, a.scores.len, a.scores.data ? T * E : 0, 4},
       {a.expert_counts.data, a.expert_counts.len, a.expert_counts.data ? E : 0, 4},
   };
-  return check_all(buffers, stream, device);
+  return check_all(buffers, stream, a.checked_device, device);
 }
 
 Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStream_t stream,
@@ -183,7 +192,7 @@ Status validate_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStr
       {a.grad_w.data, a.grad_w.len, E * H, 4 * dtype_bytes(a.grad_w.dtype)},
       {a.workspace.data, a.workspace.len, int64_t(backward_workspace_bytes(cfg, T)), 256},
   };
-  return check_all(buffers, stream, device);
+  return check_all(buffers, stream, a.checked_device, device);
 }
 
 DeviceGuard::DeviceGuard(int device) {

@@ -56,6 +56,10 @@ DTYPE_BF16 = 2
 DTYPE_I32 = 3
 DTYPE_I64 = 4
 
+# Bits of the args structs' flags (MOE_ROUTING_FLAG_*): CHECKED_DEVICE, the caller has checked
+# that every buffer is on `device`, and the library skips its per-buffer runtime queries.
+FLAG_CHECKED_DEVICE = 1
+
 LIB_NAME = "libmoe_routing.so"
 ENV_VAR = "MOE_ROUTING_LIB"
 
@@ -99,7 +103,8 @@ class MoeRoutingForwardArgs(ctypes.Structure):
 
 
 class MoeRoutingBackwardArgs(ctypes.Structure):
-    """``moe_routing_backward_args`` (184 bytes; the first 152 are the first release's)."""
+    """``moe_routing_backward_args`` (192 bytes; the first 152 are the first release's, the
+    first 184 the second's)."""
 
     _fields_ = [
         ("struct_size", c_uint32),
@@ -129,6 +134,8 @@ class MoeRoutingBackwardArgs(ctypes.Structure):
         ("scores_dtype", c_int32),
         ("grad_topk_weights_dtype", c_int32),
         ("grad_w_dtype", c_int32),
+        ("flags", c_uint32),
+        ("device", c_int32),
     ]
 
 
@@ -140,7 +147,7 @@ assert MoeRoutingConfig.routed_scaling_factor.offset == 48, "moe_routing_config 
 assert ctypes.sizeof(MoeRoutingForwardArgs) == 112, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.tokens.offset == 8, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.topk_scores_len.offset == 104, "moe_routing_forward_args layout"
-assert ctypes.sizeof(MoeRoutingBackwardArgs) == 184, "moe_routing_backward_args layout"
+assert ctypes.sizeof(MoeRoutingBackwardArgs) == 192, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.scores.offset == 152, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.tokens.offset == 8, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.workspace_bytes.offset == 136, "moe_routing_backward_args layout"

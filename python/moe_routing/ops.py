@@ -435,6 +435,9 @@ def route_backward(
         scores_dtype=_DTYPES[topk_scores.dtype],
         grad_topk_weights_dtype=_DTYPES[grad_topk_weights.dtype],
         grad_w_dtype=_DTYPES[w_dtype],
+        # Every tensor is on x's device (_check_backward) and the stream is that device's.
+        flags=_lib.FLAG_CHECKED_DEVICE,
+        device=x.device.index,
     )
     if all_scores:
         args.scores = ctypes.c_void_p(topk_scores.data_ptr())

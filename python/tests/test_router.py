@@ -103,8 +103,9 @@ def test_struct_layout_matches_the_header():
     assert ctypes.sizeof(_lib.MoeRoutingForwardArgs) == 112
     assert _lib.MoeRoutingForwardArgs.tokens.offset == 8
     assert _lib.MoeRoutingForwardArgs.topk_scores_len.offset == 104
-    assert ctypes.sizeof(_lib.MoeRoutingBackwardArgs) == 184
+    assert ctypes.sizeof(_lib.MoeRoutingBackwardArgs) == 192
     assert _lib.MoeRoutingBackwardArgs.scores.offset == 152
+    assert _lib.MoeRoutingBackwardArgs.flags.offset == 184  # MOE_ROUTING_BACKWARD_ARGS_SIZE_V2
     assert _lib.MoeRoutingBackwardArgs.tokens.offset == 8
     assert _lib.MoeRoutingBackwardArgs.workspace_bytes.offset == 136
     assert _lib.MoeRoutingBackwardArgs.accumulate_grad_w.offset == 144

@@ -25,8 +25,17 @@
  * declared here and, for moe_routing_forward_args, also MOE_ROUTING_FORWARD_ARGS_SIZE_V1 (the
  * struct as first released, before its optional outputs were appended: they are then off);
  * for moe_routing_backward_args also MOE_ROUTING_BACKWARD_ARGS_SIZE_V1 (before its dtypes were
- * appended: the first release's dtypes then); it answers MOE_ROUTING_INVALID_CONFIG to any
- * other size. Fields named `reserved` must be zero.
+ * appended: the first release's dtypes then); for both also *_ARGS_SIZE_V2 (before `flags` and
+ * `device` were appended: no flags); it answers MOE_ROUTING_INVALID_CONFIG to any other size.
+ * Fields named `reserved` must be zero.
+ *
+ * Checked device: by default every entry point asks the CUDA runtime, for each buffer, whether
+ * it is device memory of the stream's device (about half a microsecond of host time each). A
+ * caller that already knows (a framework whose tensors carry their device) may set
+ * MOE_ROUTING_FLAG_CHECKED_DEVICE in `flags` and the device index in `device`: the library then
+ * takes every buffer and the stream to belong to that device and skips those queries. The
+ * other checks (null pointers, alignment, capacities, dtypes) still run. A false claim is
+ * undefined behaviour, as a wrong pointer is.
  *
  * Backward workspace: moe_routing_backward_workspace_bytes() bytes of device memory, aligned
  * to 256 bytes, zeroed once when allocated (cudaMemset). The backward leaves it ready for the
@@ -39,6 +48,9 @@
 #include <stdint.h>
 
 #define MOE_ROUTING_ABI_VERSION 1
+
+/* Bits of the args structs' `flags`. */
+#define MOE_ROUTING_FLAG_CHECKED_DEVICE 1u /* see "Checked device" above */
 
 /* Version of the library these declarations belong to. */
 #define MOE_ROUTING_VERSION_MAJOR 0
@@ -96,9 +108,11 @@ typedef struct moe_routing_config {
   uint32_t reserved;             /* 0 */
 } moe_routing_config;
 
-/* Forward inputs and outputs (moe_routing::ForwardArgs). 144 bytes; its first 112 bytes are
- * the struct as first released (MOE_ROUTING_FORWARD_ARGS_SIZE_V1), still accepted. */
+/* Forward inputs and outputs (moe_routing::ForwardArgs). 152 bytes; its first 112 bytes are
+ * the struct as first released (MOE_ROUTING_FORWARD_ARGS_SIZE_V1), its first 144 the second
+ * (MOE_ROUTING_FORWARD_ARGS_SIZE_V2), both still accepted. */
 #define MOE_ROUTING_FORWARD_ARGS_SIZE_V1 112
+#define MOE_ROUTING_FORWARD_ARGS_SIZE_V2 144
 typedef struct moe_routing_forward_args {
   uint32_t struct_size; /* sizeof(moe_routing_forward_args) */
   uint32_t reserved;    /* 0 */
@@ -120,12 +134,17 @@ typedef struct moe_routing_forward_args {
   int64_t scores_len;
   int32_t* expert_counts;    /* [E] tokens routed to each expert, overwritten */
   int64_t expert_counts_len;
+  /* Appended after the second release. */
+  uint32_t flags;            /* MOE_ROUTING_FLAG_*; 0: none */
+  int32_t device;            /* with MOE_ROUTING_FLAG_CHECKED_DEVICE: the buffers' device */
 } moe_routing_forward_args;
 
-/* Backward inputs and outputs (moe_routing::BackwardArgs). 184 bytes; its first 152 bytes are
- * the struct as first released (MOE_ROUTING_BACKWARD_ARGS_SIZE_V1), still accepted. A field's
- * dtype other than the declared one (appended fields) makes its pointer one to that type. */
+/* Backward inputs and outputs (moe_routing::BackwardArgs). 192 bytes; its first 152 bytes are
+ * the struct as first released (MOE_ROUTING_BACKWARD_ARGS_SIZE_V1), its first 184 the second
+ * (MOE_ROUTING_BACKWARD_ARGS_SIZE_V2), both still accepted. A field's dtype other than the
+ * declared one (appended fields) makes its pointer one to that type. */
 #define MOE_ROUTING_BACKWARD_ARGS_SIZE_V1 152
+#define MOE_ROUTING_BACKWARD_ARGS_SIZE_V2 184
 typedef struct moe_routing_backward_args {
   uint32_t struct_size;      /* sizeof(moe_routing_backward_args) */
   int32_t precision;         /* MOE_ROUTING_PRECISION_* */
@@ -157,6 +176,9 @@ typedef struct moe_routing_backward_args {
   int32_t grad_topk_weights_dtype; /* DECLARED (f32) or BF16 */
   int32_t grad_w_dtype;      /* DECLARED (f32) or BF16 (written: not with accumulate_grad_w
                                 nor PRECISE) */
+  /* Appended after the second release. */
+  uint32_t flags;            /* MOE_ROUTING_FLAG_*; 0: none */
+  int32_t device;            /* with MOE_ROUTING_FLAG_CHECKED_DEVICE: the buffers' device */
 } moe_routing_backward_args;
 
 /* MOE_ROUTING_ABI_VERSION of the library linked. */

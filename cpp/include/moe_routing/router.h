@@ -75,6 +75,11 @@ struct ForwardArgs {
   // [T, E] and the per-expert token counts [E] (overwritten, exact integers).
   DeviceSpan<float> scores;
   DeviceSpan<int32_t> expert_counts;
+  // >= 0: the caller has checked that every buffer is device memory of this CUDA device and
+  // that the stream belongs to it, and the library skips its own per-buffer runtime queries
+  // (host time); the other checks still run. A false claim is undefined behaviour. -1: checked
+  // here.
+  int checked_device = -1;
 };
 
 // Forward selection semantics (every path): experts rank by score + bias, larger first; equal
@@ -143,6 +148,7 @@ struct BackwardArgs {
   bool accumulate_grad_w = false;  // grad_w += result (main-grad pattern) instead of =
   Precision precision = Precision::kDefault;
   DeviceSpan<uint8_t> workspace;  // backward_workspace_bytes() bytes, 256-byte aligned
+  int checked_device = -1;        // as ForwardArgs::checked_device
 };
 
 // Checks the config alone.

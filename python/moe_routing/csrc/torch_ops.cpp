@@ -304,6 +304,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
   bind(a.topk_idx, a.topk_idx_len, topk_idx);
   bind(a.topk_weights, a.topk_weights_len, topk_weights);
   bind(a.topk_scores, a.topk_scores_len, topk_scores);
+  // Every tensor is on x's device (checked above) and the stream is that device's: the library
+  // need not ask the runtime about each buffer.
+  a.flags = MOE_ROUTING_FLAG_CHECKED_DEVICE;
+  a.device = x.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   check_status(moe_routing_forward(&cfg, &a, stream), "moe_routing_forward");
   return {topk_idx, topk_weights, topk_scores};
@@ -380,6 +384,8 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   a.scores_dtype = abi_dtype(topk_scores.scalar_type());
   a.grad_topk_weights_dtype = abi_dtype(grad_topk_weights.scalar_type());
   a.grad_w_dtype = abi_dtype(w_dtype);
+  a.flags = MOE_ROUTING_FLAG_CHECKED_DEVICE;  // (as in route)
+  a.device = x.get_device();
   check_status(moe_routing_backward(&cfg, &a, stream), "moe_routing_backward");
   return {grad_x, grad_w};
 }
