@@ -1,7 +1,7 @@
 """ctypes binding of the stable C ABI (``cpp/include/moe_routing/moe_routing.h``).
 
 The structs below mirror the header field by field; their sizes are asserted against the
-header's ``static_assert``s (56, 112 and 184 bytes). The library is found and loaded on first
+header's ``static_assert``s (56, 112 and 192 bytes). The library is found and loaded on first
 use (:func:`load`), so importing the package needs neither the library nor a GPU.
 
 Lookup order:
