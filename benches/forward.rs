@@ -5,11 +5,19 @@
 //!     cargo bench --bench forward [-- [--filter NAME] [--json PATH] [--into PATH]]
 //!     bench-forward --bench [--json PATH] [--into PATH] [--filter NAME]
 //!
-//! Timing as the back-to-back figures of `benches/backward.rs`: CUDA events around
-//! many back-to-back calls replayed from a CUDA graph (`MOE_ROUTING_BENCH_EAGER=1`: launched one
-//! by one), median of several rounds, after warm-up, rotating among enough input sets (>= 2x
-//! the 50 MB L2) that no call finds the previous call's data in cache. Before
-//! timing, the baseline is checked against the fused forward.
+//! Per case, as `benches/backward.rs` times the backward:
+//! - **single call** (`single_us`, the primary figure): each call on its own, after a kernel
+//!   that writes twice the L2 (the flush), as a training step runs it; median of many calls;
+//! - **back to back** (`back_to_back_us`, also `fused_us`; labelled): CUDA events around many
+//!   back-to-back calls replayed from a CUDA graph (`MOE_ROUTING_BENCH_EAGER=1`: launched one
+//!   by one), median of several rounds; consecutive calls overlap through programmatic
+//!   dependent launch, which a training step never gives them;
+//! - **ceiling** (`ceiling_us`): the case's bytes (read x and w, write the [T, K] outputs)
+//!   moved by the fastest plain copy, timed as the single calls in the same run.
+//!
+//! Every figure rotates among enough input sets (>= 2x the 50 MB L2) that no call finds the
+//! previous call's data in cache. Before timing, the baseline is checked against the fused
+//! forward.
 //!
 //! Results go to stdout (a table) and to JSON: `--json PATH`, else `$MOE_ROUTING_BENCH_JSON`,
 //! else `target/bench-forward.json`. `--into PATH` also sets the object as the `forward` key
@@ -21,8 +29,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{
-    case_json, gemm, gemm_dims, input_sets, load_cases, open_session, parse_args, results_json,
-    show, time_calls, write_json, Figures, Means, Operand, Result, Timing,
+    case_json, ceiling_method, gemm, gemm_dims, input_sets, json_num, json_str, load_cases, mean,
+    open_session, parse_args, results_json, show, single_method, time_calls, time_ceiling,
+    time_single_calls, write_json, Ceiling, Figures, Flush, Means, Operand, Result, Timing,
 };
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -60,15 +69,29 @@ fn run() -> Result<()> {
     };
     let cases = &load_cases(&suite::default_path(), args.filter.as_deref())?;
     let stream = &session.stream;
+    let flush = &mut Flush::new(stream)?;
     print_header();
     let mut results = Vec::with_capacity(cases.len());
     for (i, case) in cases.iter().enumerate() {
-        let r = bench_case(stream, session.blas.as_ref(), case, 0xF0_0000 + i as u64)?;
+        let r = bench_case(
+            stream,
+            flush,
+            session.blas.as_ref(),
+            case,
+            0xF0_0000 + i as u64,
+        )?;
         print_row(case, &r);
         results.push(r);
     }
     let summary = summary(cases, &results);
     summary.print();
+    let ratios = results.iter().map(|r| r.single / r.ceiling.us);
+    println!(
+        "single calls: mean {} µs, single/ceiling mean {}x max {}x",
+        show(mean(results.iter().map(|r| r.single)), 2, ""),
+        show(mean(ratios.clone()), 2, ""),
+        show(ratios.reduce(f64::max), 2, ""),
+    );
     println!("device: {}", session.device);
     let json = to_json(&session.device, cases, &results, &summary);
     write_json(&args.json, &json)?;
@@ -128,12 +151,17 @@ impl InputSet {
 
 struct CaseResult {
     sets: usize,
+    /// One call on its own (µs).
+    single: f64,
+    /// Back to back.
     fused: Timing,
     unfused: Option<Timing>,
+    ceiling: Ceiling,
 }
 
 fn bench_case(
     stream: &Arc<CudaStream>,
+    flush: &mut Flush,
     blas: Option<&CudaBlas>,
     case: &Case,
     seed: u64,
@@ -151,11 +179,13 @@ fn bench_case(
     if let Some(blas) = blas {
         verify_baseline(stream, blas, &router, case, &mut inputs[0], &mut logits)?;
     }
-    let fused_t = time_calls(stream, sets, |i| {
+    let mut fused = |i: usize| -> Result<()> {
         let set = &mut inputs[i % sets];
         router.forward(stream, tokens, &set.x, &set.w, &set.bias, &mut set.out)?;
         Ok(())
-    })?;
+    };
+    let fused_t = time_calls(stream, sets, &mut fused)?;
+    let single = time_single_calls(stream, flush, sets, &mut fused)?;
     let unfused_t = match blas {
         Some(blas) => Some(time_calls(stream, sets, |i| {
             unfused_forward(
@@ -169,10 +199,21 @@ fn bench_case(
         })?),
         None => None,
     };
+    // The case's buffers go before the ceiling's arrive.
+    drop((inputs, logits));
+    let ceiling = time_ceiling(
+        stream,
+        flush,
+        case.forward_read_bytes(),
+        case.forward_write_bytes(),
+        seed ^ 0xC0DE_0000_0000,
+    )?;
     Ok(CaseResult {
         sets,
+        single,
         fused: fused_t,
         unfused: unfused_t,
+        ceiling,
     })
 }
 
@@ -295,18 +336,36 @@ fn figures(case: &Case, r: &CaseResult) -> Figures {
 
 fn print_header() {
     println!(
-        "{:<16} {:>6} {:>10} {:>11} {:>8} {:>6} {:>6} {:>8} {:>5}",
-        "case", "T", "fused µs", "unfused µs", "SOL µs", "TB/s", "%SOL", "speedup", "sets"
+        "{:<16} {:>6} {:>10} {:>10} {:>10} {:>8} {:>11} {:>8} {:>6} {:>6} {:>8} {:>5}",
+        "case",
+        "T",
+        "single µs",
+        "b2b µs",
+        "ceiling µs",
+        "single/c",
+        "unfused µs",
+        "SOL µs",
+        "TB/s",
+        "%SOL",
+        "speedup",
+        "sets"
+    );
+    println!(
+        "(single: one call after an L2 flush; b2b: back to back, through programmatic dependent \
+         launch; %SOL, TB/s, unfused and speedup: back to back)"
     );
 }
 
 fn print_row(case: &Case, r: &CaseResult) {
     let f = figures(case, r);
     println!(
-        "{:<16} {:>6} {:>10.2} {:>11} {:>8.2} {:>6.2} {:>5.1}% {:>8} {:>5}",
+        "{:<16} {:>6} {:>10.2} {:>10.2} {:>10.2} {:>8.2} {:>11} {:>8.2} {:>6.2} {:>5.1}% {:>8} {:>5}",
         case.name,
         case.tokens,
+        r.single,
         r.fused.us,
+        r.ceiling.us,
+        r.single / r.ceiling.us,
         show(r.unfused.map(|u| u.us), 2, ""),
         f.sol_us,
         f.fused_tbps,
@@ -326,11 +385,42 @@ fn summary(cases: &[Case], results: &[CaseResult]) -> Means {
     Means::of(&figures)
 }
 
+/// `object` (a JSON object's text) with `fields` (", \"key\": value" pairs) added at its end.
+fn with_fields(object: &str, fields: &str) -> String {
+    let body = object.trim_end();
+    let body = body.strip_suffix('}').expect("a JSON object");
+    format!("{body}{fields}}}\n")
+}
+
 fn to_json(device: &str, cases: &[Case], results: &[CaseResult], s: &Means) -> String {
     let rows: Vec<String> = cases
         .iter()
         .zip(results)
-        .map(|(case, r)| case_json(case, r.fused, None, r.unfused, &figures(case, r), r.sets))
+        .map(|(case, r)| {
+            let row = case_json(case, r.fused, None, r.unfused, &figures(case, r), r.sets);
+            let fields = format!(
+                ", \"single_us\": {}, \"back_to_back_us\": {}, \"ceiling_us\": {}, \
+                 \"single_over_ceiling\": {}, \"ceiling_variant\": {}",
+                json_num(Some(r.single)),
+                json_num(Some(r.fused.us)),
+                json_num(Some(r.ceiling.us)),
+                json_num(Some(r.single / r.ceiling.us)),
+                json_str(&r.ceiling.variant),
+            );
+            with_fields(&row, &fields).trim_end().to_string()
+        })
         .collect();
-    results_json(device, "forward", &rows, s, None)
+    let ratios: Vec<f64> = results.iter().map(|r| r.single / r.ceiling.us).collect();
+    let fields = format!(
+        ", \"single_method\": {}, \"ceiling_method\": {}, \"mean_single_us\": {}, \
+         \"mean_ceiling_us\": {}, \"mean_single_over_ceiling\": {}, \
+         \"max_single_over_ceiling\": {}",
+        json_str(&single_method()),
+        json_str(&ceiling_method()),
+        json_num(mean(results.iter().map(|r| r.single))),
+        json_num(mean(results.iter().map(|r| r.ceiling.us))),
+        json_num(mean(ratios.iter().copied())),
+        json_num(ratios.iter().copied().reduce(f64::max)),
+    );
+    with_fields(&results_json(device, "forward", &rows, s, None), &fields)
 }

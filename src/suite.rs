@@ -66,10 +66,19 @@ impl Case {
         let (t, h, e, _) = self.dims();
         (self.backward_bytes() / HBM_BYTES_PER_S).max(4.0 * t * e * h / BF16_FLOPS_PER_S)
     }
+    /// Bytes the forward must read: x and w.
+    pub fn forward_read_bytes(&self) -> f64 {
+        let (t, h, e, _) = self.dims();
+        2.0 * t * h + 2.0 * e * h
+    }
+    /// Bytes the forward must write: the [T, K] outputs (int32 indices, f32 weights and scores).
+    pub fn forward_write_bytes(&self) -> f64 {
+        let (t, _, _, k) = self.dims();
+        12.0 * t * k
+    }
     /// Bytes the forward must move: x, w and the [T, K] outputs.
     pub fn forward_bytes(&self) -> f64 {
-        let (t, h, e, k) = self.dims();
-        2.0 * t * h + 2.0 * e * h + 12.0 * t * k
+        self.forward_read_bytes() + self.forward_write_bytes()
     }
     /// Speed-of-light time of the forward in seconds.
     pub fn forward_sol_s(&self) -> f64 {
