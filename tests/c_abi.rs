@@ -655,10 +655,10 @@ fn random_arguments_get_the_first_error_and_never_launch() {
 fn checked_device_flags() {
     // Unknown flag bits, a negative device with MOE_ROUTING_FLAG_CHECKED_DEVICE, or a device
     // without it are refused before anything else; with the flag the host checks still run
-    // (here a missing x: NULL_POINTER, with or without a GPU).
+    // (here a missing x: NULL_POINTER, with or without a GPU). The second release's structs
+    // (144 and 184 bytes) end before the flags, which are then not read.
     let c = glm();
-    let bad: [(u32, i32); 4] = [(2, 0), (1 | 4, 0), (1, -1), (0, 3)];
-    for (flags, device) in bad {
+    let call = |size: Option<(u32, u32)>, flags: u32, device: i32| {
         let f = ForwardArgs {
             tokens: 4,
             flags,
@@ -671,59 +671,32 @@ fn checked_device_flags() {
             device,
             ..backward_args()
         };
+        let (f, b) = match size {
+            Some((fs, bs)) => (
+                ForwardArgs {
+                    struct_size: fs,
+                    ..f
+                },
+                BackwardArgs {
+                    struct_size: bs,
+                    ..b
+                },
+            ),
+            None => (f, b),
+        };
+        unsafe {
+            [
+                moe_routing_forward(&c, &f, null_mut()),
+                moe_routing_backward(&c, &b, null_mut()),
+            ]
+        }
+    };
+    for (flags, device) in [(2, 0), (1 | 4, 0), (1, -1), (0, 3)] {
         let what = format!("flags {flags}, device {device}");
-        assert_eq!(
-            unsafe { moe_routing_forward(&c, &f, null_mut()) },
-            INVALID_CONFIG,
-            "{what}"
-        );
-        assert_eq!(
-            unsafe { moe_routing_backward(&c, &b, null_mut()) },
-            INVALID_CONFIG,
-            "{what}"
-        );
+        assert_eq!(call(None, flags, device), [INVALID_CONFIG; 2], "{what}");
     }
     for device in [0, 7] {
-        let f = ForwardArgs {
-            tokens: 4,
-            flags: 1,
-            device,
-            ..forward_args()
-        };
-        let b = BackwardArgs {
-            tokens: 4,
-            flags: 1,
-            device,
-            ..backward_args()
-        };
-        assert_eq!(
-            unsafe { moe_routing_forward(&c, &f, null_mut()) },
-            NULL_POINTER
-        );
-        assert_eq!(
-            unsafe { moe_routing_backward(&c, &b, null_mut()) },
-            NULL_POINTER
-        );
+        assert_eq!(call(None, 1, device), [NULL_POINTER; 2], "device {device}");
     }
-    // The second release's structs end before the flags, which are then not read.
-    let f = ForwardArgs {
-        struct_size: 144,
-        tokens: 4,
-        flags: 2,
-        ..forward_args()
-    };
-    let b = BackwardArgs {
-        struct_size: 184,
-        tokens: 4,
-        flags: 2,
-        ..backward_args()
-    };
-    assert_eq!(
-        unsafe { moe_routing_forward(&c, &f, null_mut()) },
-        NULL_POINTER
-    );
-    assert_eq!(
-        unsafe { moe_routing_backward(&c, &b, null_mut()) },
-        NULL_POINTER
-    );
+    assert_eq!(call(Some((144, 184)), 2, 0), [NULL_POINTER; 2]);
 }
