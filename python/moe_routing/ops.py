@@ -87,7 +87,8 @@ def _load_native() -> Optional[Path]:
         return None
     try:
         # The library the ctypes bindings find and check first: the op library needs it by
-        # soname (libmoe_routing.so.1), so it binds to that one wherever it lies.
+        # soname (libmoe_routing.so.1; in the wheel libmoe_routing.so, which its run path also
+        # finds beside it), so it binds to that one wherever it lies.
         _lib.load()
         torch.ops.load_library(str(path))
     except Exception as e:
