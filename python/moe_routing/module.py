@@ -4,8 +4,10 @@
 and :func:`replace_hf_routers`, which finds those routers in a model by what they are (their
 parameters, buffer, hyper-parameters and routing) rather than by class name."""
 
+import functools
 import logging
 import math
+import warnings
 from types import SimpleNamespace
 from typing import Optional
 
@@ -64,8 +66,9 @@ class GroupedTopKRouter(nn.Module):
             ``topk_group``, ``routed_scaling_factor`` and ``norm_topk_prob`` (``n_group`` and
             ``topk_group`` of None mean 1; ``initializer_range`` is used by
             :meth:`reset_parameters` if present).
-        backend: ``"auto"`` (the CUDA kernels for CUDA inputs, :mod:`moe_routing.reference`
-            otherwise), ``"cuda"`` (the kernels; other devices raise ValueError) or
+        backend: ``"auto"`` (the CUDA kernels for inputs on a Hopper GPU,
+            :mod:`moe_routing.reference` otherwise, with a one-time RuntimeWarning on another
+            GPU), ``"cuda"`` (the kernels; other devices and GPUs raise ValueError) or
             ``"reference"`` (always the pure-PyTorch float64 reference).
         compute_router_logits: HF's router also returns the fp32 ``router_logits`` [T, E]
             (``x @ weight.T`` in fp32), which its MoE blocks discard and transformers' output
@@ -167,9 +170,16 @@ class GroupedTopKRouter(nn.Module):
     def _use_kernel(self, hidden_states: Tensor) -> bool:
         if self.backend == "reference":
             return False
+        # (The GPU is checked in eager calls; a compiled graph takes the kernels as before.)
+        checked = hidden_states.is_cuda and not torch.compiler.is_compiling()
         if self.backend == "cuda":
+            if checked and not kernels_run_on(hidden_states.device):
+                raise ValueError(
+                    f"backend='cuda' needs a Hopper GPU (sm_90), but {hidden_states.device} is "
+                    f"{_device_text(hidden_states.device)}; use backend='auto' or 'reference'"
+                )
             return True  # the op raises ValueError for other devices
-        return hidden_states.is_cuda
+        return hidden_states.is_cuda and (not checked or kernels_run_on(hidden_states.device))
 
     def _tokens(self, hidden_states: Tensor) -> Tensor:
         """`hidden_states` as [T, H]."""
@@ -224,6 +234,33 @@ class GroupedTopKRouter(nn.Module):
                 hidden_states.to(torch.float32), self.weight.to(torch.float32)
             )
         return router_logits, topk_weights, topk_indices
+
+
+def _device_text(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor})"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels_run_on_index(index: int) -> bool:
+    ok = torch.cuda.get_device_capability(index) == (9, 0)
+    if not ok:
+        warnings.warn(
+            f"moe_routing: cuda:{index} is {_device_text(torch.device('cuda', index))}, not a "
+            f"Hopper GPU (sm_90a), for which the kernels are built; GroupedTopKRouter with "
+            f"backend='auto' routes with the PyTorch reference there",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return ok
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the CUDA kernels run on `device`: a Hopper GPU (compute capability 9.0),
+    asked once per device; the first ``False`` also warns (RuntimeWarning) that
+    ``backend="auto"`` routes with the reference there."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _kernels_run_on_index(index)
 
 
 def _hf_hparam(router: nn.Module, key: str):

@@ -10,6 +10,7 @@ short training loop. Each test that cannot run here is skipped with the reason.
 
 import ctypes
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -842,3 +843,24 @@ def test_module_matches_hf_on_gpu():
     assert torch.equal(s[ok], s_hf[ok])
     torch.testing.assert_close(w.gather(1, p)[ok], w_hf.gather(1, p_hf)[ok],
                                rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_run_on_hopper_only(monkeypatch):
+    # The GPU check behind backend="auto" and "cuda", with the device queries stood in for:
+    # a Hopper GPU runs the kernels; another one does not, and warns once.
+    from moe_routing import module
+
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda d: caps[d if isinstance(d, int) else d.index])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "Some GPU")
+    module._kernels_run_on_index.cache_clear()
+    try:
+        assert module.kernels_run_on(torch.device("cuda", 0))
+        with pytest.warns(RuntimeWarning, match="compute capability 8.0"):
+            assert not module.kernels_run_on(torch.device("cuda", 1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not module.kernels_run_on(torch.device("cuda", 1))  # asked once
+    finally:
+        module._kernels_run_on_index.cache_clear()
