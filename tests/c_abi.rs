@@ -101,6 +101,7 @@ extern "C" {
         stream: *mut c_void,
     ) -> i32;
     fn moe_routing_device_count() -> i32;
+    fn moe_routing_kernel_paths(config: *const Config, paths: *mut u32) -> i32;
 }
 
 const SUCCESS: i32 = 0;
@@ -699,4 +700,41 @@ fn checked_device_flags() {
         assert_eq!(call(None, 1, device), [NULL_POINTER; 2], "device {device}");
     }
     assert_eq!(call(Some((144, 184)), 2, 0), [NULL_POINTER; 2]);
+}
+
+#[test]
+fn kernel_paths() {
+    // MOE_ROUTING_PATH_FORWARD_FUSED | MOE_ROUTING_PATH_BACKWARD_FUSED, per config: the fused
+    // kernels' expert counts (64, 128, 160, 256) and K (forward <= 16, backward <= 8).
+    let paths = |c: &Config| {
+        let mut p = u32::MAX;
+        let status = unsafe { moe_routing_kernel_paths(c, &mut p) };
+        (status, p)
+    };
+    let cases: [(i64, i64, i64, u32); 5] = [
+        (160, 8, 8, 3),
+        (256, 8, 8, 3),
+        (160, 12, 8, 1), // top-12: the fused forward, the simple backward
+        (384, 8, 1, 0),  // Kimi-K2's 384 experts: both simple
+        (96, 6, 1, 0),
+    ];
+    for (e, k, g, want) in cases {
+        let c = Config {
+            n_routed_experts: e,
+            num_experts_per_tok: k,
+            n_group: g,
+            topk_group: g.min(4),
+            ..glm()
+        };
+        assert_eq!(paths(&c), (SUCCESS, want), "E {e}, K {k}, groups {g}");
+    }
+    let bad = Config {
+        n_group: 7,
+        ..glm()
+    };
+    assert_eq!(paths(&bad).0, INVALID_CONFIG);
+    assert_eq!(
+        unsafe { moe_routing_kernel_paths(&glm(), null_mut()) },
+        NULL_POINTER
+    );
 }

@@ -3,6 +3,8 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "fused_backward.h"
+#include "kernel_paths.h"
 #include "moe_routing/moe_routing.h"
 #include "moe_routing/router.h"
 
@@ -184,6 +186,23 @@ int32_t moe_routing_validate_config(const moe_routing_config* config) {
     moe_routing::RouterConfig cfg;
     if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
     return code(moe_routing::validate_config(cfg));
+  } catch (...) {
+    return code(Status::kCudaError);
+  }
+}
+
+int32_t moe_routing_kernel_paths(const moe_routing_config* config, uint32_t* paths) {
+  try {
+    if (paths == nullptr) return code(Status::kNullPointer);
+    moe_routing::RouterConfig cfg;
+    if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
+    if (Status s = moe_routing::validate_config(cfg); s != Status::kSuccess) return code(s);
+    *paths = (moe_routing::detail::fused_forward_config_supported(cfg)
+                  ? MOE_ROUTING_PATH_FORWARD_FUSED
+                  : 0u) |
+             (moe_routing::detail::fused_backward_supported(cfg) ? MOE_ROUTING_PATH_BACKWARD_FUSED
+                                                                 : 0u);
+    return code(Status::kSuccess);
   } catch (...) {
     return code(Status::kCudaError);
   }

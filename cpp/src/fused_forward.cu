@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "fused_forward.h"
+#include "kernel_paths.h"
 #include "kernels/fused_forward/cluster_sizes.h"
 #include "launch.h"
 
@@ -131,12 +132,17 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
 
 }  // namespace
 
-bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
-  // The routing epilogue keeps the kept groups in a 32-bit mask; TMA needs 16-byte aligned
-  // bases and row strides (H % 8 == 0 is validated); the cluster needs hblocks >= 1.
+bool fused_forward_config_supported(const RouterConfig& cfg) {
+  // The routing epilogue keeps the kept groups in a 32-bit mask.
   return experts_index(cfg.n_routed_experts) < kNumExperts && cfg.n_group <= 32 &&
-         cfg.num_experts_per_tok <= 16 &&
-         aligned16(a.x.data) && aligned16(a.w.data) && a.tokens <= int64_t(INT32_MAX);
+         cfg.num_experts_per_tok <= 16;
+}
+
+bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
+  // TMA needs 16-byte aligned bases and row strides (H % 8 == 0 is validated); the cluster
+  // needs hblocks >= 1.
+  return fused_forward_config_supported(cfg) && aligned16(a.x.data) && aligned16(a.w.data) &&
+         a.tokens <= int64_t(INT32_MAX);
 }
 
 Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int device,

@@ -56,6 +56,10 @@ DTYPE_BF16 = 2
 DTYPE_I32 = 3
 DTYPE_I64 = 4
 
+# Bits of kernel_paths' answer (MOE_ROUTING_PATH_*): the fused kernels (else the simple ones).
+PATH_FORWARD_FUSED = 1
+PATH_BACKWARD_FUSED = 2
+
 # Bits of the args structs' flags (MOE_ROUTING_FLAG_*): CHECKED_DEVICE, the caller has checked
 # that every buffer is on `device`, and the library skips its per-buffer runtime queries.
 FLAG_CHECKED_DEVICE = 1
@@ -223,6 +227,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moe_routing_backward.restype = c_int32
     lib.moe_routing_device_count.argtypes = []
     lib.moe_routing_device_count.restype = c_int32
+    if hasattr(lib, "moe_routing_kernel_paths"):  # (added in ABI 1's third release)
+        lib.moe_routing_kernel_paths.argtypes = [POINTER(MoeRoutingConfig), POINTER(c_uint32)]
+        lib.moe_routing_kernel_paths.restype = c_int32
 
 
 def open_library(path) -> ctypes.CDLL:
@@ -321,6 +328,19 @@ def version() -> str:
 
 def device_count() -> int:
     return int(load().moe_routing_device_count())
+
+
+def kernel_paths(cfg: MoeRoutingConfig) -> Optional[int]:
+    """The ``PATH_*`` bits of the kernels `cfg` takes (``moe_routing_kernel_paths``); None
+    where the library predates that call. Raises :class:`MoeRoutingError` for an invalid
+    config."""
+    lib = load()
+    if not hasattr(lib, "moe_routing_kernel_paths"):
+        return None
+    paths = c_uint32(0)
+    check_status(lib.moe_routing_kernel_paths(ctypes.byref(cfg), ctypes.byref(paths)),
+                 "moe_routing_kernel_paths")
+    return int(paths.value)
 
 
 def validate_config(cfg: MoeRoutingConfig) -> int:

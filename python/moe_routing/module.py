@@ -123,6 +123,9 @@ class GroupedTopKRouter(nn.Module):
         ops.check_config(self.hidden_dim, self.num_experts, self.top_k, self.num_group,
                          self.topk_group, self.routed_scaling_factor)
         self.backend = backend
+        if backend != "reference":
+            _log_kernel_paths(self.hidden_dim, self.num_experts, self.top_k, self.num_group,
+                              self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
         self.compute_router_logits = compute_router_logits
         self.precise_backward = precise_backward
         dtype = dtype or torch.float32
@@ -234,6 +237,31 @@ class GroupedTopKRouter(nn.Module):
                 hidden_states.to(torch.float32), self.weight.to(torch.float32)
             )
         return router_logits, topk_weights, topk_indices
+
+
+@functools.lru_cache(maxsize=None)
+def _log_kernel_paths(*config) -> None:
+    """Says once per config, on the ``moe_routing`` logger, which kernels it takes: INFO for
+    the fused ones, WARNING where either pass takes the far slower simple kernels. Says
+    nothing where the library is not there (CPU-only use)."""
+    from . import _lib
+
+    try:
+        paths = _lib.kernel_paths(_lib.make_config(*config))
+    except (_lib.LibraryError, _lib.MoeRoutingError, OSError):
+        return
+    if paths is None:
+        return
+    h, e, k, n_group, topk_group = config[:5]
+    fwd = "fused" if paths & _lib.PATH_FORWARD_FUSED else "simple"
+    bwd = "fused" if paths & _lib.PATH_BACKWARD_FUSED else "simple"
+    text = (f"H={h}, E={e}, top-{k}, groups {topk_group} of {n_group}: forward {fwd}, "
+            f"backward {bwd}")
+    if fwd == bwd == "fused":
+        logger.info("moe_routing: %s", text)
+    else:
+        logger.warning("moe_routing: %s; the simple CUDA-core kernels are far slower than the "
+                       "fused ones (the README's supported shapes)", text)
 
 
 def _device_text(device: torch.device) -> str:

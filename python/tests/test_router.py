@@ -864,3 +864,37 @@ def test_kernels_run_on_hopper_only(monkeypatch):
             assert not module.kernels_run_on(torch.device("cuda", 1))  # asked once
     finally:
         module._kernels_run_on_index.cache_clear()
+
+
+def test_kernel_paths_are_logged(caplog):
+    # Constructing a router says once per config which kernels it takes: INFO for the fused
+    # ones, WARNING for the simple ones (here Kimi-K2's 384 experts, both passes).
+    import logging
+
+    from moe_routing import module
+
+    try:
+        known = _lib.kernel_paths(_lib.make_config(5120, 160, 8, 8, 4, 2.5, True))
+    except _lib.LibraryError:
+        pytest.skip("no moe_routing library")
+    if known is None:
+        pytest.skip("the library predates moe_routing_kernel_paths")
+    assert known == _lib.PATH_FORWARD_FUSED | _lib.PATH_BACKWARD_FUSED
+
+    def config(e, k, n_group, topk_group):
+        return SimpleNamespace(hidden_size=1024, n_routed_experts=e, num_experts_per_tok=k,
+                               n_group=n_group, topk_group=topk_group,
+                               routed_scaling_factor=2.5, norm_topk_prob=True)
+
+    module._log_kernel_paths.cache_clear()
+    with caplog.at_level(logging.INFO, logger="moe_routing"):
+        GroupedTopKRouter(config(384, 8, 1, 1), device="meta")
+        GroupedTopKRouter(config(384, 8, 1, 1), device="meta")  # said once
+        GroupedTopKRouter(config(160, 8, 8, 4), device="meta")
+        GroupedTopKRouter(config(384, 8, 1, 1), backend="reference", device="meta")
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "moe_routing"]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
+    assert "E=384, top-8, groups 1 of 1: forward simple, backward simple" in said[0][1]
+    assert "far slower" in said[0][1]
+    assert "E=160, top-8, groups 4 of 8: forward fused, backward fused" in said[1][1]
+    module._log_kernel_paths.cache_clear()

@@ -211,6 +211,16 @@ MOE_ROUTING_API int32_t moe_routing_backward(const moe_routing_config* config,
 /* Number of CUDA devices visible; 0 where there is no driver or no device. */
 MOE_ROUTING_API int32_t moe_routing_device_count(void);
 
+/* Bits of moe_routing_kernel_paths' answer. */
+#define MOE_ROUTING_PATH_FORWARD_FUSED 1u  /* the fused forward (else the simple one) */
+#define MOE_ROUTING_PATH_BACKWARD_FUSED 2u /* the fused backward (else the simple one) */
+
+/* Which kernels `config` takes, into *paths (MOE_ROUTING_PATH_* bits): the fused kernels, or
+ * the simple CUDA-core ones, which are far slower (for the forward, given 16-byte aligned x and
+ * w, as allocators give). Needs no GPU. */
+MOE_ROUTING_API int32_t moe_routing_kernel_paths(const moe_routing_config* config,
+                                                 uint32_t* paths);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif
