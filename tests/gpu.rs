@@ -164,6 +164,18 @@ fn bits<T: Bits>(v: &[T]) -> Vec<u64> {
     v.iter().map(|&a| a.bits()).collect()
 }
 
+/// Two backward results with the same bits in grad_x and in grad_w.
+fn assert_same_grads(a: &Grads, b: &Grads, label: &str) {
+    assert!(
+        bits(&a.grad_x) == bits(&b.grad_x),
+        "{label}: grad_x differs"
+    );
+    assert!(
+        bits(&a.grad_w) == bits(&b.grad_w),
+        "{label}: grad_w differs"
+    );
+}
+
 /// Device buffer filled with NaN (all bits set) so that unwritten outputs show.
 fn poisoned<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
     // SAFETY: filled right below, before any read.

@@ -201,15 +201,7 @@ pub(super) fn backward_unaligned_routing_rows(s: &Arc<CudaStream>) {
             let aligned = gpu_backward_on(s, &router, tokens, (&x, &w), aligned_rows, opts, None);
             let shifted_rows = (&idx.slice(1..), &scores.slice(1..), &grads.slice(1..));
             let got = gpu_backward_on(s, &router, tokens, (&x, &w), shifted_rows, opts, None);
-            let label = format!("{cfg:?} T={tokens} {precision:?}");
-            assert!(
-                bits(&got.grad_x) == bits(&aligned.grad_x),
-                "{label}: grad_x differs"
-            );
-            assert!(
-                bits(&got.grad_w) == bits(&aligned.grad_w),
-                "{label}: grad_w differs"
-            );
+            assert_same_grads(&got, &aligned, &format!("{cfg:?} T={tokens} {precision:?}"));
         }
     }
 }
@@ -259,14 +251,8 @@ pub(super) fn assert_deterministic(
             opts,
             None,
         );
-        assert!(
-            bits(&a.grad_x) == bits(&b.grad_x),
-            "grad_x differs between runs ({cfg:?} T={tokens} {precision:?})"
-        );
-        assert!(
-            bits(&a.grad_w) == bits(&b.grad_w),
-            "grad_w differs between runs ({cfg:?} T={tokens} {precision:?})"
-        );
+        let label = format!("between runs ({cfg:?} T={tokens} {precision:?})");
+        assert_same_grads(&a, &b, &label);
     }
 }
 
