@@ -98,16 +98,23 @@ def section_panels(sec, name, x0, y0):
     if all(c.get(key("precise")) for c in cases):
         series.append(("fused, precise", COLORS["precise"], [c[key("precise")] for c in cases],
                        False))
-    series.append(("unfused", COLORS["unfused"], [c[key("unfused")] for c in cases], False))
+    # (The forward's unfused baseline is timed back to back only: left out beside single calls.)
+    unfused = [c.get(key("unfused")) for c in cases]
+    has_unfused = all(u is not None for u in unfused)
+    if has_unfused:
+        series.append(("unfused", COLORS["unfused"], unfused, False))
     if single:
         series.append(("copy ceiling", COLORS["ceiling"], [c["ceiling_us"] for c in cases], True))
     series.append(("speed of light", COLORS["sol"], [c["sol_us"] for c in cases], True))
     how = "single calls" if single else "back to back"
     time = panel(x0, y0, f"{name}: time (µs, {how})", xs, series, True, "µs")
-    pct = [("fused", COLORS["fused"], [100 * c["sol_us"] / c[key("fused")] for c in cases], False),
-           ("unfused", COLORS["unfused"], [100 * c["sol_us"] / c[key("unfused")] for c in cases],
-            False)]
-    sol = panel(x0 + W, y0, f"{name}: % of speed of light (mean {sec['mean_sol_pct']:.1f}%)", xs,
+    fused_pct = [100 * c["sol_us"] / c[key("fused")] for c in cases]
+    pct = [("fused", COLORS["fused"], fused_pct, False)]
+    if has_unfused:
+        pct.append(("unfused", COLORS["unfused"], [100 * c["sol_us"] / u for c, u in
+                                                   zip(cases, unfused)], False))
+    mean_pct = sum(fused_pct) / len(fused_pct)
+    sol = panel(x0 + W, y0, f"{name}: % of speed of light (mean {mean_pct:.1f}%)", xs,
                 pct, False, "% SOL", 0, 100)
     return time + sol
 
