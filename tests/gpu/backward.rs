@@ -229,28 +229,20 @@ pub(super) fn assert_deterministic(
             accumulate_grad_w: false,
             precision,
         };
-        let a = gpu_backward(
-            s,
-            &router,
-            tokens,
-            &inp,
-            &fwd.dev.topk_idx,
-            &fwd.dev.topk_scores,
-            &grad_out,
-            opts,
-            None,
-        );
-        let b = gpu_backward(
-            s,
-            &router,
-            tokens,
-            &inp,
-            &fwd.dev.topk_idx,
-            &fwd.dev.topk_scores,
-            &grad_out,
-            opts,
-            None,
-        );
+        let run = || {
+            gpu_backward(
+                s,
+                &router,
+                tokens,
+                &inp,
+                &fwd.dev.topk_idx,
+                &fwd.dev.topk_scores,
+                &grad_out,
+                opts,
+                None,
+            )
+        };
+        let (a, b) = (run(), run());
         let label = format!("between runs ({cfg:?} T={tokens} {precision:?})");
         assert_same_grads(&a, &b, &label);
     }
