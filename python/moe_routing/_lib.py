@@ -1,7 +1,7 @@
 """ctypes binding of the stable C ABI (``cpp/include/moe_routing/moe_routing.h``).
 
 The structs below mirror the header field by field; their sizes are asserted against the
-header's ``static_assert``s (56, 112 and 192 bytes). The library is found and loaded on first
+header's ``static_assert``s (56, 152 and 192 bytes). The library is found and loaded on first
 use (:func:`load`), so importing the package needs neither the library nor a GPU.
 
 Lookup order:
@@ -85,7 +85,8 @@ class MoeRoutingConfig(ctypes.Structure):
 
 
 class MoeRoutingForwardArgs(ctypes.Structure):
-    """``moe_routing_forward_args`` (112 bytes)."""
+    """``moe_routing_forward_args`` (152 bytes; the first 112 are the first release's, the
+    first 144 the second's)."""
 
     _fields_ = [
         ("struct_size", c_uint32),
@@ -103,6 +104,12 @@ class MoeRoutingForwardArgs(ctypes.Structure):
         ("topk_weights_len", c_int64),
         ("topk_scores", POINTER(c_float)),
         ("topk_scores_len", c_int64),
+        ("scores", POINTER(c_float)),
+        ("scores_len", c_int64),
+        ("expert_counts", POINTER(c_int32)),
+        ("expert_counts_len", c_int64),
+        ("flags", c_uint32),
+        ("device", c_int32),
     ]
 
 
@@ -148,9 +155,11 @@ assert ctypes.sizeof(c_void_p) == 8, "the C ABI is defined for 64-bit targets"
 assert ctypes.sizeof(MoeRoutingConfig) == 56, "moe_routing_config layout"
 assert MoeRoutingConfig.hidden_size.offset == 8, "moe_routing_config layout"
 assert MoeRoutingConfig.routed_scaling_factor.offset == 48, "moe_routing_config layout"
-assert ctypes.sizeof(MoeRoutingForwardArgs) == 112, "moe_routing_forward_args layout"
+assert ctypes.sizeof(MoeRoutingForwardArgs) == 152, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.tokens.offset == 8, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.topk_scores_len.offset == 104, "moe_routing_forward_args layout"
+assert MoeRoutingForwardArgs.scores.offset == 112, "moe_routing_forward_args layout"
+assert MoeRoutingForwardArgs.flags.offset == 144, "moe_routing_forward_args layout"
 assert ctypes.sizeof(MoeRoutingBackwardArgs) == 192, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.scores.offset == 152, "moe_routing_backward_args layout"
 assert MoeRoutingBackwardArgs.tokens.offset == 8, "moe_routing_backward_args layout"

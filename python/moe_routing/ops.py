@@ -1,13 +1,16 @@
-"""The router as PyTorch ops: ``torch.ops.moe_routing.route`` and
-``torch.ops.moe_routing.route_backward``.
+"""The router as PyTorch ops: ``torch.ops.moe_routing.route``,
+``torch.ops.moe_routing.route_with_stats`` and ``torch.ops.moe_routing.route_backward``.
 
 Both run the library's CUDA kernels on the current CUDA stream of the input's device, have
 fake (meta) implementations, so ``torch.compile`` traces them without a graph break, and
 allocate everything they use through PyTorch's allocator (CUDA graph capture works). ``route``
 is differentiable in ``x`` and ``weight``: its backward is ``route_backward``, which reads
 PyTorch's dtypes as they are (int64 or int32 indices, bf16 or f32 scores and gradients) and
-writes ``grad_w`` as bf16 where asked: no conversion kernel runs around it. Its workspace is
+writes ``grad_w`` as bf16 where asked: no conversion kernel runs around it, or adds ``grad_w``
+into a given fp32 tensor (``grad_w_out``, e.g. Megatron's ``main_grad``). Its workspace is
 allocated and zeroed once per (device, stream) and reused (the library leaves it zeroed).
+``route_with_stats`` is ``route`` that can also return every expert's sigmoid score and the
+token count of each expert, filled in by the same kernel call.
 
 The ops have two implementations, with the same schemas, checks and results; :data:`BACKEND`
 says which one is registered:
@@ -212,7 +215,8 @@ def _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_fac
 
 
 def _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor, precise=False, grad_w_bf16=False) -> None:
+                    routed_scaling_factor, precise=False, grad_w_bf16=False,
+                    grad_w_out=None) -> None:
     _need(x.dim() == 2, f"x must be [T, H], got shape {_shape(x)}")
     _need(weight.dim() == 2, f"weight must be [E, H], got shape {_shape(weight)}")
     _need(topk_idx.dim() == 2, f"topk_idx must be [T, K], got shape {_shape(topk_idx)}")
@@ -230,6 +234,10 @@ def _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group
     _check_tensor("grad_topk_weights", grad_topk_weights, (torch.float32, torch.bfloat16), (T, K))
     _need(not (precise and grad_w_bf16),
           "grad_w_bf16: precise mode writes grad_w as float32 only")
+    if grad_w_out is not None:
+        _check_tensor("grad_w_out", grad_w_out, (torch.float32,), (E, H))
+        _need(not grad_w_bf16,
+              "grad_w_out: grad_w is added into it in float32, so grad_w_bf16 must be False")
     check_config(int(H), int(E), int(K), n_group, topk_group, routed_scaling_factor)
 
 
@@ -299,7 +307,50 @@ def _spans(**tensors: Tensor) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# moe_routing::route
+# moe_routing::route and moe_routing::route_with_stats
+
+
+def _forward(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
+             return_scores, return_counts):
+    """route's work: ``(topk_idx, topk_weights, topk_scores, scores, expert_counts)``, the last
+    two None unless asked for."""
+    _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
+    _check_devices(x.device, weight=weight, bias=bias)
+    T, H = x.shape
+    E = weight.shape[0]
+    K = top_k
+    _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
+    topk_idx = torch.empty((T, K), dtype=torch.int32, device=x.device)
+    topk_weights = torch.empty((T, K), dtype=torch.float32, device=x.device)
+    topk_scores = torch.empty((T, K), dtype=torch.float32, device=x.device)
+    scores = torch.empty((T, E), dtype=torch.float32, device=x.device) if return_scores else None
+    counts = None
+    if return_counts:
+        counts = (torch.zeros if T == 0 else torch.empty)((E,), dtype=torch.int32, device=x.device)
+    if T == 0:
+        return topk_idx, topk_weights, topk_scores, scores, counts
+    lib = _lib.load()
+    w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
+    x = _aligned(x, 16)
+    w = _aligned(w, 16)
+    cfg = _lib.make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
+    outputs = dict(topk_idx=topk_idx, topk_weights=topk_weights, topk_scores=topk_scores)
+    if scores is not None:
+        outputs["scores"] = scores
+    if counts is not None:
+        outputs["expert_counts"] = counts
+    args = _lib.MoeRoutingForwardArgs(
+        struct_size=ctypes.sizeof(_lib.MoeRoutingForwardArgs),
+        reserved=0,
+        tokens=T,
+        **_spans(x=x, w=w, bias=bias, **outputs),
+        flags=0,
+        device=0,
+    )
+    with torch.cuda.device(x.device):
+        status = lib.moe_routing_forward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
+    _lib.check_status(status, "moe_routing_forward")
+    return topk_idx, topk_weights, topk_scores, scores, counts
 
 
 def route(
@@ -321,32 +372,9 @@ def route(
     experts). Only ``topk_weights`` is differentiable; ``precise_backward`` makes the
     backward's ``grad_w`` fp32-accurate (a second pass over x).
     """
-    _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
-    _check_devices(x.device, weight=weight, bias=bias)
-    T, H = x.shape
-    E = weight.shape[0]
-    K = top_k
-    _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
-    topk_idx = torch.empty((T, K), dtype=torch.int32, device=x.device)
-    topk_weights = torch.empty((T, K), dtype=torch.float32, device=x.device)
-    topk_scores = torch.empty((T, K), dtype=torch.float32, device=x.device)
-    if T == 0:
-        return topk_idx, topk_weights, topk_scores
-    lib = _lib.load()
-    w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
-    x = _aligned(x, 16)
-    w = _aligned(w, 16)
-    cfg = _lib.make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
-    args = _lib.MoeRoutingForwardArgs(
-        struct_size=ctypes.sizeof(_lib.MoeRoutingForwardArgs),
-        reserved=0,
-        tokens=T,
-        **_spans(x=x, w=w, bias=bias, topk_idx=topk_idx, topk_weights=topk_weights,
-                 topk_scores=topk_scores),
-    )
-    with torch.cuda.device(x.device):
-        status = lib.moe_routing_forward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
-    _lib.check_status(status, "moe_routing_forward")
+    topk_idx, topk_weights, topk_scores, _, _ = _forward(
+        x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
+        False, False)
     return topk_idx, topk_weights, topk_scores
 
 
@@ -358,6 +386,51 @@ def _route_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_fact
         x.new_empty((T, top_k), dtype=torch.int32),
         x.new_empty((T, top_k), dtype=torch.float32),
         x.new_empty((T, top_k), dtype=torch.float32),
+    )
+
+
+def route_with_stats(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+    precise_backward: bool = False,
+    return_scores: bool = False,
+    return_counts: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``route``, with two more outputs filled in by the same kernel call: ``scores`` [T, E]
+    f32, every expert's sigmoid score (no bias), with ``return_scores``, and
+    ``expert_counts`` [E] int32, the number of tokens routed to each expert, with
+    ``return_counts``. An output not asked for is an empty tensor (shape [0]). Returns
+    ``(topk_idx, topk_weights, topk_scores, scores, expert_counts)``; as in ``route``, only
+    ``topk_weights`` is differentiable.
+    """
+    topk_idx, topk_weights, topk_scores, scores, counts = _forward(
+        x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
+        return_scores, return_counts)
+    if scores is None:
+        scores = torch.empty((0,), dtype=torch.float32, device=x.device)
+    if counts is None:
+        counts = torch.empty((0,), dtype=torch.int32, device=x.device)
+    return topk_idx, topk_weights, topk_scores, scores, counts
+
+
+def _route_with_stats_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                           norm_topk_prob, precise_backward=False, return_scores=False,
+                           return_counts=False):
+    _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
+    T = x.shape[0]
+    E = weight.shape[0]
+    return (
+        x.new_empty((T, top_k), dtype=torch.int32),
+        x.new_empty((T, top_k), dtype=torch.float32),
+        x.new_empty((T, top_k), dtype=torch.float32),
+        x.new_empty((T, E) if return_scores else (0,), dtype=torch.float32),
+        x.new_empty((E,) if return_counts else (0,), dtype=torch.int32),
     )
 
 
@@ -377,6 +450,7 @@ def route_backward(
     norm_topk_prob: bool,
     precise: bool = False,
     grad_w_bf16: bool = False,
+    grad_w_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Gradients of ``x`` and ``weight`` from ``grad_topk_weights`` [T, K] (f32 or bf16).
 
@@ -387,20 +461,29 @@ def route_backward(
     [E, H], f32, or bf16 with ``grad_w_bf16``. ``precise`` makes ``grad_w`` fp32-accurate (a
     second pass over x: slower; f32 ``grad_w`` only). ``weight`` may be bf16 or f32 (rounded
     to bf16, as in the forward).
+
+    ``grad_w_out`` [E, H] f32 (contiguous, on x's device): ``grad_w`` is added into it by the
+    kernel (no temporary, no extra kernel), as into Megatron's ``main_grad``; the second output
+    is then an empty tensor (shape [0]), since an op's outputs cannot alias its inputs.
     """
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor, precise, grad_w_bf16)
+                    routed_scaling_factor, precise, grad_w_bf16, grad_w_out)
+    out = {} if grad_w_out is None else {"grad_w_out": grad_w_out}
     _check_devices(x.device, weight=weight, topk_idx=topk_idx, topk_scores=topk_scores,
-                   grad_topk_weights=grad_topk_weights)
+                   grad_topk_weights=grad_topk_weights, **out)
     T, H = x.shape
     E = weight.shape[0]
     K = topk_idx.shape[1]
     _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
     grad_x = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
     w_dtype = torch.bfloat16 if grad_w_bf16 else torch.float32
+    accumulate = grad_w_out is not None
+    if accumulate:
+        placeholder = torch.empty((0,), dtype=torch.float32, device=x.device)
     if T == 0:
-        return grad_x, torch.zeros((E, H), dtype=w_dtype, device=x.device)
-    grad_w = torch.empty((E, H), dtype=w_dtype, device=x.device)
+        return grad_x, (placeholder if accumulate else
+                        torch.zeros((E, H), dtype=w_dtype, device=x.device))
+    grad_w = grad_w_out if accumulate else torch.empty((E, H), dtype=w_dtype, device=x.device)
     lib = _lib.load()
     w = weight if weight.dtype == torch.bfloat16 else weight.to(torch.bfloat16)
     x = _aligned(x, 16)
@@ -430,7 +513,7 @@ def route_backward(
         grad_w_len=grad_w.numel(),
         workspace=ctypes.c_void_p(workspace.data_ptr()),
         workspace_bytes=workspace.numel(),
-        accumulate_grad_w=0,
+        accumulate_grad_w=1 if accumulate else 0,
         reserved=0,
         topk_idx_dtype=_DTYPES[topk_idx.dtype],
         scores_dtype=_DTYPES[topk_scores.dtype],
@@ -450,16 +533,18 @@ def route_backward(
         status = lib.moe_routing_backward(ctypes.byref(cfg), ctypes.byref(args),
                                           ctypes.c_void_p(stream))
     _lib.check_status(status, "moe_routing_backward")
-    return grad_x, grad_w
+    return grad_x, (placeholder if accumulate else grad_w)
 
 
 def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group,
                          topk_group, routed_scaling_factor, norm_topk_prob, precise=False,
-                         grad_w_bf16=False):
+                         grad_w_bf16=False, grad_w_out=None):
     _check_backward(x, weight, topk_idx, topk_scores, grad_topk_weights, n_group, topk_group,
-                    routed_scaling_factor, precise, grad_w_bf16)
+                    routed_scaling_factor, precise, grad_w_bf16, grad_w_out)
     T, H = x.shape
     E = weight.shape[0]
+    if grad_w_out is not None:
+        return x.new_empty((T, H), dtype=torch.bfloat16), x.new_empty((0,), dtype=torch.float32)
     return (
         x.new_empty((T, H), dtype=torch.bfloat16),
         x.new_empty((E, H), dtype=torch.bfloat16 if grad_w_bf16 else torch.float32),
@@ -471,15 +556,17 @@ def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _bias, _k, n_group, topk_group, scale, norm, precise = inputs
-    topk_idx, _topk_weights, topk_scores = output
+    # (route's and route_with_stats': the same first inputs and outputs.)
+    x, weight, _bias, _k, n_group, topk_group, scale, norm, precise = inputs[:9]
+    topk_idx, _topk_weights, topk_scores = output[:3]
     ctx.save_for_backward(x, weight, topk_idx, topk_scores)
     ctx.cfg = (n_group, topk_group, scale, norm, precise)
     ctx.weight_dtype = weight.dtype
-    ctx.mark_non_differentiable(topk_idx, topk_scores)
+    ctx.n_inputs = len(inputs)
+    ctx.mark_non_differentiable(topk_idx, topk_scores, *output[3:])
 
 
-def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
+def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores, *_grad_stats):
     x, weight, topk_idx, topk_scores = ctx.saved_tensors
     n_group, topk_group, scale, norm, precise = ctx.cfg
     grad_x = grad_w = None
@@ -497,7 +584,76 @@ def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
         )
         grad_x = grad_x if ctx.needs_input_grad[0] else None
         grad_w = grad_w.to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None, None, None, None, None, None, None
+    return (grad_x, grad_w) + (None,) * (ctx.n_inputs - 2)
+
+
+# --------------------------------------------------------------------------------------------
+# The ctypes route_backward, defined by its schema: torch.library.custom_op cannot take it, as
+# its in-place bookkeeping indexes the arguments as passed, and a call that leaves the mutable
+# ``grad_w_out`` at its default passes fewer. Its schema, tags and dispatch keys are those of
+# the native op (csrc/torch_ops.cpp).
+
+ROUTE_BACKWARD_SCHEMA = (
+    "route_backward(Tensor x, Tensor weight, Tensor topk_idx, Tensor topk_scores, "
+    "Tensor grad_topk_weights, SymInt n_group, SymInt topk_group, float routed_scaling_factor, "
+    "bool norm_topk_prob, bool precise=False, bool grad_w_bf16=False, "
+    "Tensor(a11!)? grad_w_out=None) -> (Tensor, Tensor)"
+)
+_GRAD_W_OUT_INDEX = 11
+_definitions: List[torch.library.Library] = []
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Gives route_backward's outputs a backward that raises, as the native op's autograd
+    fallback does (only where an input requires grad with grad mode on: never in route's
+    backward)."""
+
+    @staticmethod
+    def forward(ctx, _anchor, grad_x, grad_w):
+        return grad_x.clone(), grad_w.clone()
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError("the derivative of moe_routing::route_backward is not implemented")
+
+
+def _define_route_backward(impl):
+    lib = torch.library.Library("moe_routing", "FRAGMENT")
+    _definitions.append(lib)  # (a library's registrations last as long as the object)
+    lib.define(ROUTE_BACKWARD_SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+    lib.impl("route_backward", impl, "CPU")
+    lib.impl("route_backward", impl, "CUDA")
+    torch.library.register_fake("moe_routing::route_backward", _route_backward_fake, lib=lib)
+    op = torch.ops.moe_routing.route_backward.default
+
+    def grad_w_out_of(args, kwargs):
+        if len(args) > _GRAD_W_OUT_INDEX:
+            return args[_GRAD_W_OUT_INDEX]
+        return kwargs.get("grad_w_out")
+
+    def inplace_or_view(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            result = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
+                                   **kwargs)
+        out = grad_w_out_of(args, kwargs)
+        if out is not None:
+            torch.autograd.graph.increment_version(out)
+        return result
+
+    def autograd(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            grad_x, grad_w = op.redispatch(keyset & torch._C._after_autograd_keyset, *args,
+                                           **kwargs)
+        if torch.is_grad_enabled():
+            anchor = next((t for t in (*args, *kwargs.values())
+                           if isinstance(t, Tensor) and t.requires_grad), None)
+            if anchor is not None:
+                grad_x, grad_w = _NotDifferentiable.apply(anchor, grad_x, grad_w)
+        return grad_x, grad_w
+
+    lib.impl("route_backward", inplace_or_view, "ADInplaceOrView", with_keyset=True)
+    lib.impl("route_backward", autograd, "Autograd", with_keyset=True)
+    return torch.ops.moe_routing.route_backward
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,27 +662,33 @@ def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores):
 
 # The ctypes implementations stay callable as plain functions (the tests compare the two).
 _route_ctypes = route
+_route_with_stats_ctypes = route_with_stats
 _route_backward_ctypes = route_backward
 
 if BACKEND == "native":
     route = torch.ops.moe_routing.route
+    route_with_stats = torch.ops.moe_routing.route_with_stats
     route_backward = torch.ops.moe_routing.route_backward
     # (From this module: the op library names it with set_python_module.)
     torch.library.register_fake("moe_routing::route", _route_fake)
+    torch.library.register_fake("moe_routing::route_with_stats", _route_with_stats_fake)
     torch.library.register_fake("moe_routing::route_backward", _route_backward_fake)
-    torch.library.register_autograd("moe_routing::route", _route_autograd_backward,
-                                    setup_context=_setup_context)
+    for _name in ("route", "route_with_stats"):
+        torch.library.register_autograd(f"moe_routing::{_name}", _route_autograd_backward,
+                                        setup_context=_setup_context)
     # The workspace cache of the ops in use: (device index, stream handle) -> workspace.
     _workspaces = _NativeWorkspaces()
 else:
     _workspaces = _ctypes_workspaces  # type: ignore[assignment]
     route = torch.library.custom_op("moe_routing::route", mutates_args=())(route)
     route.register_fake(_route_fake)
-    route_backward = torch.library.custom_op("moe_routing::route_backward",
-                                             mutates_args=())(route_backward)
-    route_backward.register_fake(_route_backward_fake)
-    route.register_autograd(_route_autograd_backward, setup_context=_setup_context)
+    route_with_stats = torch.library.custom_op("moe_routing::route_with_stats",
+                                               mutates_args=())(route_with_stats)
+    route_with_stats.register_fake(_route_with_stats_fake)
+    route_backward = _define_route_backward(route_backward)
+    for _op in (route, route_with_stats):
+        _op.register_autograd(_route_autograd_backward, setup_context=_setup_context)
 
 
-__all__ = ["route", "route_backward", "check_config", "BACKEND", "native_library_path",
-           "MAX_HIDDEN", "MAX_EXPERTS", "MAX_TOP_K"]
+__all__ = ["route", "route_with_stats", "route_backward", "check_config", "BACKEND",
+           "native_library_path", "MAX_HIDDEN", "MAX_EXPERTS", "MAX_TOP_K"]

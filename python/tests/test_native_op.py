@@ -36,6 +36,7 @@ needs_gpu = pytest.mark.skipif(
 H, E, K, GROUPS, TOPK_GROUP, SCALE = 512, 160, 8, 8, 4, 2.5
 CFG = (GROUPS, TOPK_GROUP, SCALE, True)  # route_backward's n_group .. norm_topk_prob
 PYTHON_DIR = Path(__file__).resolve().parents[1]
+OPS = ("route", "route_with_stats", "route_backward")
 
 
 def _ctypes_env():
@@ -62,10 +63,9 @@ def _schemas():
     import moe_routing.ops as o
 
     return {"backend": o.BACKEND,
-            **{n: str(getattr(torch.ops.moe_routing, n).default._schema)
-               for n in ("route", "route_backward")},
+            **{n: str(getattr(torch.ops.moe_routing, n).default._schema) for n in OPS},
             **{n + "_tags": sorted(str(t) for t in getattr(torch.ops.moe_routing, n).default.tags)
-               for n in ("route", "route_backward")}}
+               for n in OPS}}
 
 
 def _bad_calls():
@@ -80,7 +80,9 @@ def _bad_calls():
     gr = torch.ones(8, 4)
     rest = (4, 2, 1.5, True)
     fwd = torch.ops.moe_routing.route
+    stats = torch.ops.moe_routing.route_with_stats
     bwd = torch.ops.moe_routing.route_backward
+    acc = torch.zeros(32, 64)
     calls = {
         "x dtype": lambda: fwd(x.float(), w, b, **cfg),
         "x dims": lambda: fwd(x[0], w, b, **cfg),
@@ -119,6 +121,17 @@ def _bad_calls():
         "backward config": lambda: bwd(x, w, idx, s, gr, 3, 2, 1.5, True),
         "precise bf16": lambda: bwd(x, w, idx, s, gr, *rest, True, True),
         "backward device": lambda: bwd(x, w, idx, s, gr, *rest),
+        "stats x dtype": lambda: stats(x.float(), w, b, **cfg, return_counts=True),
+        "stats bias shape": lambda: stats(x, w, b[:31], **cfg, return_scores=True),
+        "stats top_k": lambda: stats(x, w, b, **dict(cfg, top_k=17), return_scores=True),
+        "stats device": lambda: stats(x, w, b, **cfg, return_scores=True, return_counts=True),
+        "grad_w_out dtype": lambda: bwd(x, w, idx, s, gr, *rest, grad_w_out=acc.double()),
+        "grad_w_out shape": lambda: bwd(x, w, idx, s, gr, *rest, grad_w_out=acc[:31]),
+        "grad_w_out dims": lambda: bwd(x, w, idx, s, gr, *rest, grad_w_out=acc[None]),
+        "grad_w_out contiguous": lambda: bwd(x, w, idx, s, gr, *rest,
+                                             grad_w_out=torch.zeros(64, 32).t()),
+        "grad_w_out bf16": lambda: bwd(x, w, idx, s, gr, *rest, False, True, acc),
+        "grad_w_out device": lambda: bwd(x, w, idx, s, gr, *rest, grad_w_out=acc),
     }
     if torch.cuda.is_available():
         xc, wc = x.cuda(), w.cuda()
@@ -126,6 +139,9 @@ def _bad_calls():
         calls["bias on cpu"] = lambda: fwd(xc, wc, b, **cfg)
         calls["idx on cpu"] = lambda: bwd(xc, wc, idx, s.cuda(), gr.cuda(), *rest)
         calls["grad on cpu"] = lambda: bwd(xc, wc, idx.cuda(), s.cuda(), gr, *rest)
+        calls["grad_w_out on cpu"] = lambda: bwd(xc, wc, idx.cuda(), s.cuda(), gr.cuda(), *rest,
+                                                 grad_w_out=acc)
+        calls["stats bias on cpu"] = lambda: stats(xc, wc, b, **cfg, return_counts=True)
     return calls
 
 
@@ -146,7 +162,7 @@ def test_native_ops_are_registered_from_cpp():
     assert ops.native_library_path() is not None and ops.native_library_path().is_file()
     assert torch._library.custom_ops._maybe_get_opdef("moe_routing::route") is None
     assert moe_routing.route is torch.ops.moe_routing.route
-    for name in ("route", "route_backward"):
+    for name in OPS:
         qual = f"moe_routing::{name}"
         for key in ("CUDA", "CPU", "Autograd", "Meta"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
@@ -173,6 +189,10 @@ def test_invalid_arguments_raise_as_the_ctypes_ops_do():
     assert ours["bias dtype"] == ["ValueError", "bias must be torch.float32, got torch.float64"]
     assert ours["grad shape"][1].startswith("grad_topk_weights must have shape [8, 4]")
     assert ours["route device"][1] == "x must be a CUDA tensor, got device cpu"
+    assert ours["grad_w_out dtype"] == ["ValueError",
+                                        "grad_w_out must be torch.float32, got torch.float64"]
+    assert ours["grad_w_out shape"][1].startswith("grad_w_out must have shape [32, 64]")
+    assert ours["grad_w_out bf16"][1].startswith("grad_w_out: grad_w is added into it")
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,9 +101,13 @@ def test_struct_layout_matches_the_header():
     assert _lib.MoeRoutingConfig.hidden_size.offset == 8
     assert _lib.MoeRoutingConfig.routed_scaling_factor.offset == 48
     assert _lib.MoeRoutingConfig.reserved.offset == 52
-    assert ctypes.sizeof(_lib.MoeRoutingForwardArgs) == 112
+    assert ctypes.sizeof(_lib.MoeRoutingForwardArgs) == 152
     assert _lib.MoeRoutingForwardArgs.tokens.offset == 8
     assert _lib.MoeRoutingForwardArgs.topk_scores_len.offset == 104
+    assert _lib.MoeRoutingForwardArgs.scores.offset == 112  # MOE_ROUTING_FORWARD_ARGS_SIZE_V1
+    assert _lib.MoeRoutingForwardArgs.expert_counts.offset == 128
+    assert _lib.MoeRoutingForwardArgs.flags.offset == 144  # MOE_ROUTING_FORWARD_ARGS_SIZE_V2
+    assert _lib.MoeRoutingForwardArgs.device.offset == 148
     assert ctypes.sizeof(_lib.MoeRoutingBackwardArgs) == 192
     assert _lib.MoeRoutingBackwardArgs.scores.offset == 152
     assert _lib.MoeRoutingBackwardArgs.flags.offset == 184  # MOE_ROUTING_BACKWARD_ARGS_SIZE_V2

@@ -1,5 +1,6 @@
-// Native PyTorch ops: moe_routing::route and moe_routing::route_backward, with the schemas and
-// semantics of the Python custom ops of moe_routing/ops.py, registered from C++ so that a call
+// Native PyTorch ops: moe_routing::route, moe_routing::route_with_stats and
+// moe_routing::route_backward, with the schemas and semantics of the Python custom ops of
+// moe_routing/ops.py, registered from C++ so that a call
 // goes from the dispatcher to the library's C ABI with no Python in between (most of the Python
 // ops' host time per call goes to argument handling and ctypes).
 //
@@ -7,8 +8,8 @@
 // ops.py (ValueError, naming the argument); a non-zero status of the library raises a
 // RuntimeError with its text. Outputs come from PyTorch's caching allocator and every kernel runs
 // on the current CUDA stream of the input's device, so CUDA graph capture and torch.compile work.
-// The fake (meta) kernels and route's autograd are registered from Python (moe_routing.ops,
-// named by set_python_module below).
+// The fake (meta) kernels and the forward ops' autograd are registered from Python
+// (moe_routing.ops, named by set_python_module below).
 
 #include <moe_routing/moe_routing.h>
 
@@ -26,6 +27,7 @@
 #include <initializer_list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -265,12 +267,20 @@ at::Tensor cached_workspace(int64_t device, int64_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// moe_routing::route
+// moe_routing::route and moe_routing::route_with_stats
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
-    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
-    bool /*precise_backward: the backward's*/) {
+struct Routed {
+  at::Tensor topk_idx, topk_weights, topk_scores;
+  at::Tensor scores;         // [T, E] f32 where asked for, else undefined
+  at::Tensor expert_counts;  // [E] int32 where asked for, else undefined
+};
+
+// Both ops' work: the checks, then the outputs (the optional ones only where asked for) and one
+// library call that fills them all.
+Routed route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                  int64_t top_k, int64_t n_group, int64_t topk_group,
+                  double routed_scaling_factor, bool norm_topk_prob, bool return_scores,
+                  bool return_counts) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [T, H], got shape ", py_tuple(x.sizes()));
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [E, H], got shape ",
                     py_tuple(weight.sizes()));
@@ -285,32 +295,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
   check_tokens(T);
 
   const c10::cuda::CUDAGuard guard(x.device());
-  auto topk_idx = at::empty({T, K}, x.options().dtype(at::kInt));
-  auto topk_weights = at::empty({T, K}, x.options().dtype(at::kFloat));
-  auto topk_scores = at::empty({T, K}, x.options().dtype(at::kFloat));
-  if (T == 0) return {topk_idx, topk_weights, topk_scores};
+  Routed r;
+  r.topk_idx = at::empty({T, K}, x.options().dtype(at::kInt));
+  r.topk_weights = at::empty({T, K}, x.options().dtype(at::kFloat));
+  r.topk_scores = at::empty({T, K}, x.options().dtype(at::kFloat));
+  if (return_scores) r.scores = at::empty({T, E}, x.options().dtype(at::kFloat));
+  if (return_counts) {
+    const auto options = x.options().dtype(at::kInt);
+    r.expert_counts = T == 0 ? at::zeros({E}, options) : at::empty({E}, options);
+  }
+  if (T == 0) return r;
   check_abi();
   const at::Tensor xa = aligned16(x);
   const at::Tensor w = bf16_weight(weight);
   const moe_routing_config cfg =
       make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob);
 
-  moe_routing_forward_args a{};  // (the optional outputs, scores and expert_counts: off)
+  moe_routing_forward_args a{};  // (the optional outputs: off unless asked for)
   a.struct_size = sizeof(a);
   a.tokens = T;
   bind(a.x, a.x_len, xa);
   bind(a.w, a.w_len, w);
   bind(a.bias, a.bias_len, bias);
-  bind(a.topk_idx, a.topk_idx_len, topk_idx);
-  bind(a.topk_weights, a.topk_weights_len, topk_weights);
-  bind(a.topk_scores, a.topk_scores_len, topk_scores);
+  bind(a.topk_idx, a.topk_idx_len, r.topk_idx);
+  bind(a.topk_weights, a.topk_weights_len, r.topk_weights);
+  bind(a.topk_scores, a.topk_scores_len, r.topk_scores);
+  if (return_scores) bind(a.scores, a.scores_len, r.scores);
+  if (return_counts) bind(a.expert_counts, a.expert_counts_len, r.expert_counts);
   // Every tensor is on x's device (checked above) and the stream is that device's: the library
   // need not ask the runtime about each buffer.
   a.flags = MOE_ROUTING_FLAG_CHECKED_DEVICE;
   a.device = x.get_device();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
   check_status(moe_routing_forward(&cfg, &a, stream), "moe_routing_forward");
-  return {topk_idx, topk_weights, topk_scores};
+  return r;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
+    bool /*precise_backward: the backward's*/) {
+  Routed r = route_impl(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                        norm_topk_prob, false, false);
+  return {std::move(r.topk_idx), std::move(r.topk_weights), std::move(r.topk_scores)};
+}
+
+// route's outputs, then all scores [T, E] f32 and the token count of each expert [E] int32 from
+// the same call; an output not asked for is an empty tensor (shape [0]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_with_stats(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
+    bool /*precise_backward: the backward's*/, bool return_scores, bool return_counts) {
+  Routed r = route_impl(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                        norm_topk_prob, return_scores, return_counts);
+  if (!return_scores) r.scores = at::empty({0}, x.options().dtype(at::kFloat));
+  if (!return_counts) r.expert_counts = at::empty({0}, x.options().dtype(at::kInt));
+  return {std::move(r.topk_idx), std::move(r.topk_weights), std::move(r.topk_scores),
+          std::move(r.scores), std::move(r.expert_counts)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -320,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& topk_idx,
     const at::Tensor& topk_scores, const at::Tensor& grad_topk_weights, int64_t n_group,
     int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob, bool precise,
-    bool grad_w_bf16) {
+    bool grad_w_bf16, const std::optional<at::Tensor>& grad_w_out) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [T, H], got shape ", py_tuple(x.sizes()));
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [E, H], got shape ",
                     py_tuple(weight.sizes()));
@@ -338,19 +379,34 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   check_tensor("grad_topk_weights", grad_topk_weights, {at::kFloat, at::kBFloat16}, {T, K});
   TORCH_CHECK_VALUE(!(precise && grad_w_bf16),
                     "grad_w_bf16: precise mode writes grad_w as float32 only");
+  // grad_w_out: grad_w is added into it (the library's accumulate mode), and the second output
+  // is an empty tensor (an op's outputs may not alias its inputs).
+  const bool accumulate = grad_w_out.has_value() && grad_w_out->defined();
+  if (accumulate) {
+    check_tensor("grad_w_out", *grad_w_out, {at::kFloat}, {E, H});
+    TORCH_CHECK_VALUE(!grad_w_bf16,
+                      "grad_w_out: grad_w is added into it in float32, so grad_w_bf16 must be "
+                      "False");
+  }
   check_config(H, E, K, n_group, topk_group, routed_scaling_factor);
   TORCH_CHECK_VALUE(x.is_cuda(), "x must be a CUDA tensor, got device ", x.device());
   check_device(x, "weight", weight);
   check_device(x, "topk_idx", topk_idx);
   check_device(x, "topk_scores", topk_scores);
   check_device(x, "grad_topk_weights", grad_topk_weights);
+  if (accumulate) check_device(x, "grad_w_out", *grad_w_out);
   check_tokens(T);
 
   const c10::cuda::CUDAGuard guard(x.device());
   const auto w_dtype = grad_w_bf16 ? at::kBFloat16 : at::kFloat;
   auto grad_x = at::empty({T, H}, x.options().dtype(at::kBFloat16));
-  if (T == 0) return {grad_x, at::zeros({E, H}, x.options().dtype(w_dtype))};
-  auto grad_w = at::empty({E, H}, x.options().dtype(w_dtype));
+  at::Tensor placeholder;
+  if (accumulate) placeholder = at::empty({0}, x.options().dtype(at::kFloat));
+  if (T == 0) {
+    return {grad_x, accumulate ? placeholder : at::zeros({E, H}, x.options().dtype(w_dtype))};
+  }
+  const at::Tensor grad_w =
+      accumulate ? *grad_w_out : at::empty({E, H}, x.options().dtype(w_dtype));
   check_abi();
   const at::Tensor xa = aligned16(x);
   const at::Tensor w = bf16_weight(weight);
@@ -379,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   bind(a.grad_w, a.grad_w_len, grad_w);
   a.workspace = ws.mutable_data_ptr();
   a.workspace_bytes = ws.numel();
-  a.accumulate_grad_w = 0;
+  a.accumulate_grad_w = accumulate ? 1 : 0;
   a.topk_idx_dtype = abi_dtype(topk_idx.scalar_type());
   a.scores_dtype = abi_dtype(topk_scores.scalar_type());
   a.grad_topk_weights_dtype = abi_dtype(grad_topk_weights.scalar_type());
@@ -387,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   a.flags = MOE_ROUTING_FLAG_CHECKED_DEVICE;  // (as in route)
   a.device = x.get_device();
   check_status(moe_routing_backward(&cfg, &a, stream), "moe_routing_backward");
-  return {grad_x, grad_w};
+  return {grad_x, accumulate ? placeholder : grad_w};
 }
 
 }  // namespace
@@ -401,26 +457,42 @@ TORCH_LIBRARY(moe_routing, m) {
       "bool precise_backward=False) -> (Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
+      "route_with_stats(Tensor x, Tensor weight, Tensor bias, SymInt top_k, SymInt n_group, "
+      "SymInt topk_group, float routed_scaling_factor, bool norm_topk_prob, "
+      "bool precise_backward=False, bool return_scores=False, bool return_counts=False) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  // (The alias set of the mutable argument is named after its position, as Python's
+  // custom_op names it.)
+  m.def(
       "route_backward(Tensor x, Tensor weight, Tensor topk_idx, Tensor topk_scores, "
       "Tensor grad_topk_weights, SymInt n_group, SymInt topk_group, "
       "float routed_scaling_factor, bool norm_topk_prob, bool precise=False, "
-      "bool grad_w_bf16=False) -> (Tensor, Tensor)",
+      "bool grad_w_bf16=False, Tensor(a11!)? grad_w_out=None) -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def("_cached_workspace(int device, int stream) -> Tensor", &cached_workspace);
 }
 
 TORCH_LIBRARY_IMPL(moe_routing, CUDA, m) {
   m.impl("route", &route);
+  m.impl("route_with_stats", &route_with_stats);
   m.impl("route_backward", &route_backward);
 }
 
 // CPU tensors get the same checks, and the same ValueError for the device, as in ops.py.
 TORCH_LIBRARY_IMPL(moe_routing, CPU, m) {
   m.impl("route", &route);
+  m.impl("route_with_stats", &route_with_stats);
   m.impl("route_backward", &route_backward);
 }
 
-// Not differentiable: backpropagating through it raises (route's autograd is ops.py's).
+// Not differentiable: backpropagating through it raises (the forward ops' autograd is ops.py's).
 TORCH_LIBRARY_IMPL(moe_routing, Autograd, m) {
   m.impl("route_backward", torch::autograd::autogradNotImplementedFallback());
+}
+
+// grad_w_out is written in place: its version counter is bumped, as Python's custom_op does for
+// the arguments it mutates.
+TORCH_LIBRARY_IMPL(moe_routing, ADInplaceOrView, m) {
+  m.impl("route_backward", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
 }
