@@ -27,7 +27,8 @@ from ._lib import (
 )
 from ._lib import load as load_library
 from .module import GroupedTopKRouter, replace_hf_routers
-from .ops import check_config, route, route_backward
+from .ops import check_config, route, route_backward, route_with_stats
+from .training import route_with_indices, update_expert_bias
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,9 @@ __all__ = [
     "replace_hf_routers",
     "route",
     "route_backward",
+    "route_with_indices",
+    "route_with_stats",
     "status_string",
+    "update_expert_bias",
     "version",
 ]

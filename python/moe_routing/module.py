@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import ops, reference
+from . import ops, reference, training
 
 logger = logging.getLogger("moe_routing")
 
@@ -78,9 +78,29 @@ class GroupedTopKRouter(nn.Module):
             the module has a forward hook (transformers' recorder reads them through one;
             :func:`replace_hf_routers` uses None).
         precise_backward: fp32-accurate ``grad_w`` (a second pass over x).
+        accumulate_grad_into_main_grad: Megatron-style gradient accumulation fusion. When
+            True and ``weight`` has a ``main_grad`` attribute (an fp32 tensor of its shape, as
+            Megatron's DDP attaches), the backward adds ``grad_w`` into ``weight.main_grad``
+            in the kernel itself (no temporary, no extra kernel), sets
+            ``weight.grad_added_to_main_grad = True`` where that attribute exists and then
+            gives the weight a placeholder gradient that Megatron's hook skips (else None).
+            A ``main_grad`` that is not fp32 [E, H] raises ValueError. Without ``main_grad``
+            the gradient goes to ``weight.grad`` as usual.
+        track_expert_counts: each forward also counts the tokens routed to each expert (the
+            same kernel call): ``last_expert_counts`` [E] int32, and, in training mode with
+            grad enabled, their sum since the last :meth:`update_expert_bias` in the
+            non-persistent buffer ``tokens_per_expert`` [E] int64.
+        keep_scores: each forward also keeps every expert's sigmoid score (no bias) as
+            ``last_scores`` [T, E] fp32 (same kernel call; not differentiable).
 
     Parameters and buffers are those of HF: ``weight`` [E, H] (Parameter, fp32) and
     ``e_score_correction_bias`` [E] (buffer, fp32), so HF state dicts load as they are.
+
+    Routing replay: ``forward(hidden_states, topk_indices=idx)``, or the attribute
+    ``replay_indices`` set to a [T, K] tensor (used by every forward until set back to None),
+    routes to the given experts instead of selecting them (see
+    :func:`moe_routing.route_with_indices`; their values are checked once per call, which
+    synchronises with the GPU).
 
     ``forward(hidden_states)`` takes ``[..., H]`` (e.g. [B, S, H]) and returns, like HF 5.x,
     ``(router_logits, topk_weights, topk_indices)``: ``router_logits`` [T, E] fp32 or None
@@ -100,10 +120,18 @@ class GroupedTopKRouter(nn.Module):
         backend: str = "auto",
         compute_router_logits: Optional[bool] = False,
         precise_backward: bool = False,
+        accumulate_grad_into_main_grad: bool = False,
+        track_expert_counts: bool = False,
+        keep_scores: bool = False,
         device=None,
         dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
+        for name, flag in (("accumulate_grad_into_main_grad", accumulate_grad_into_main_grad),
+                           ("track_expert_counts", track_expert_counts),
+                           ("keep_scores", keep_scores)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if compute_router_logits not in (True, False, None):
@@ -128,6 +156,12 @@ class GroupedTopKRouter(nn.Module):
                               self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
         self.compute_router_logits = compute_router_logits
         self.precise_backward = precise_backward
+        self.accumulate_grad_into_main_grad = accumulate_grad_into_main_grad
+        self.track_expert_counts = track_expert_counts
+        self.keep_scores = keep_scores
+        self.replay_indices: Optional[Tensor] = None
+        self.last_expert_counts: Optional[Tensor] = None
+        self.last_scores: Optional[Tensor] = None
         dtype = dtype or torch.float32
         self.weight = nn.Parameter(
             torch.empty((self.num_experts, self.hidden_dim), device=device, dtype=dtype)
@@ -136,6 +170,12 @@ class GroupedTopKRouter(nn.Module):
             "e_score_correction_bias",
             torch.zeros(self.num_experts, device=device, dtype=torch.float32),
         )
+        if track_expert_counts:
+            self.register_buffer(
+                "tokens_per_expert",
+                torch.zeros(self.num_experts, device=device, dtype=torch.int64),
+                persistent=False,
+            )
         self.reset_parameters()
 
     def reset_parameters(self, std: Optional[float] = None) -> None:
@@ -171,18 +211,7 @@ class GroupedTopKRouter(nn.Module):
         )
 
     def _use_kernel(self, hidden_states: Tensor) -> bool:
-        if self.backend == "reference":
-            return False
-        # (The GPU is checked in eager calls; a compiled graph takes the kernels as before.)
-        checked = hidden_states.is_cuda and not torch.compiler.is_compiling()
-        if self.backend == "cuda":
-            if checked and not kernels_run_on(hidden_states.device):
-                raise ValueError(
-                    f"backend='cuda' needs a Hopper GPU (sm_90), but {hidden_states.device} is "
-                    f"{_device_text(hidden_states.device)}; use backend='auto' or 'reference'"
-                )
-            return True  # the op raises ValueError for other devices
-        return hidden_states.is_cuda and (not checked or kernels_run_on(hidden_states.device))
+        return _use_kernel(self.backend, hidden_states)
 
     def _tokens(self, hidden_states: Tensor) -> Tensor:
         """`hidden_states` as [T, H]."""
@@ -193,41 +222,44 @@ class GroupedTopKRouter(nn.Module):
             )
         return hidden_states.reshape(-1, self.hidden_dim)
 
-    def _route(self, hidden_states: Tensor):
-        """``(topk_weights [T, K] fp32, topk_indices [T, K] int64)`` of [T, H] tokens."""
-        bias = self.e_score_correction_bias.to(torch.float32)
-        if self._use_kernel(hidden_states):
-            x = hidden_states.to(torch.bfloat16).contiguous()
-            w = self.weight
-            if w.dtype not in (torch.bfloat16, torch.float32):
-                w = w.to(torch.float32)
-            topk_idx, topk_weights, _ = torch.ops.moe_routing.route(
-                x,
-                w.contiguous(),
-                bias.contiguous(),
-                self.top_k,
-                self.num_group,
-                self.topk_group,
-                self.routed_scaling_factor,
-                self.norm_topk_prob,
-                self.precise_backward,
-            )
-            return topk_weights, topk_idx.to(torch.int64)
-        topk_indices, topk_weights, _ = reference.route(
-            hidden_states,
-            self.weight,
-            bias,
-            self.top_k,
-            self.num_group,
-            self.topk_group,
-            self.routed_scaling_factor,
-            self.norm_topk_prob,
-        )
-        return topk_weights.to(torch.float32), topk_indices
+    def update_expert_bias(self, rate: float, group=None) -> Tensor:
+        """The loss-free balancing step (:func:`moe_routing.update_expert_bias`) on
+        ``e_score_correction_bias`` from ``tokens_per_expert`` (summed over `group` if given),
+        which is then reset to zero. Needs ``track_expert_counts=True``. Returns the bias."""
+        if not self.track_expert_counts:
+            raise ValueError("update_expert_bias needs a router built with "
+                             "track_expert_counts=True")
+        training.update_expert_bias(self.tokens_per_expert, self.e_score_correction_bias, rate,
+                                    group)
+        self.tokens_per_expert.zero_()
+        return self.e_score_correction_bias
 
-    def forward(self, hidden_states: Tensor):
+    def _record(self, scores: Optional[Tensor], counts: Optional[Tensor]) -> None:
+        if self.keep_scores:
+            self.last_scores = scores
+        if self.track_expert_counts:
+            self.last_expert_counts = counts
+            if self.training and torch.is_grad_enabled():
+                with torch.no_grad():
+                    self.tokens_per_expert.add_(counts)
+
+    def _route(self, hidden_states: Tensor, topk_indices: Optional[Tensor] = None):
+        """``(topk_weights [T, K] fp32, topk_indices [T, K] int64)`` of [T, H] tokens."""
+        if topk_indices is None:
+            topk_indices = self.replay_indices
+        topk_weights, topk_indices, scores, counts = _route_tokens(
+            hidden_states, self.weight, self.e_score_correction_bias, self.top_k,
+            self.num_group, self.topk_group, self.routed_scaling_factor, self.norm_topk_prob,
+            use_kernel=self._use_kernel(hidden_states), precise=self.precise_backward,
+            topk_indices=topk_indices, main_grad=self.accumulate_grad_into_main_grad,
+            return_scores=self.keep_scores, return_counts=self.track_expert_counts)
+        if self.keep_scores or self.track_expert_counts:
+            self._record(scores, counts)
+        return topk_weights, topk_indices
+
+    def forward(self, hidden_states: Tensor, topk_indices: Optional[Tensor] = None):
         hidden_states = self._tokens(hidden_states)
-        topk_weights, topk_indices = self._route(hidden_states)
+        topk_weights, topk_indices = self._route(hidden_states, topk_indices)
         wanted = self.compute_router_logits
         if wanted is None:
             wanted = bool(self._forward_hooks)
@@ -237,6 +269,73 @@ class GroupedTopKRouter(nn.Module):
                 hidden_states.to(torch.float32), self.weight.to(torch.float32)
             )
         return router_logits, topk_weights, topk_indices
+
+
+def _use_kernel(backend: str, hidden_states: Tensor) -> bool:
+    """Whether `backend` ("auto", "cuda" or "reference") routes `hidden_states` with the
+    kernels; "cuda" on a GPU other than Hopper raises ValueError."""
+    if backend == "reference":
+        return False
+    # (The GPU is checked in eager calls; a compiled graph takes the kernels as before.)
+    checked = hidden_states.is_cuda and not torch.compiler.is_compiling()
+    if backend == "cuda":
+        if checked and not kernels_run_on(hidden_states.device):
+            raise ValueError(
+                f"backend='cuda' needs a Hopper GPU (sm_90), but {hidden_states.device} is "
+                f"{_device_text(hidden_states.device)}; use backend='auto' or 'reference'"
+            )
+        return True  # the op raises ValueError for other devices
+    return hidden_states.is_cuda and (not checked or kernels_run_on(hidden_states.device))
+
+
+def _route_tokens(hidden_states: Tensor, weight: Tensor, bias: Tensor, top_k: int,
+                  n_group: int, topk_group: int, routed_scaling_factor: float,
+                  norm_topk_prob: bool, *, use_kernel: bool, precise: bool = False,
+                  topk_indices: Optional[Tensor] = None, main_grad: bool = False,
+                  return_scores: bool = False, return_counts: bool = False):
+    """The routing of the module and the adapters: [T, H] tokens by `weight` (the Parameter)
+    and `bias`, with the kernels or the reference. With `topk_indices`, the replay of those
+    experts; with `main_grad`, grad_w goes into ``weight.main_grad`` where it has one. Returns
+    ``(topk_weights [T, K] fp32, topk_indices [T, K] int64, scores [T, E] fp32 or None,
+    expert_counts [E] int32 or None)``."""
+    bias = bias.to(torch.float32)
+    grad_into = training.main_grad_of(weight) if main_grad else None
+    w = weight
+    if use_kernel and w.dtype not in (torch.bfloat16, torch.float32):
+        w = w.to(torch.float32)
+    if topk_indices is not None or grad_into is not None:
+        # Replay and/or main_grad accumulation: moe_routing.training's autograd.
+        if topk_indices is not None:
+            training.check_topk_indices(
+                topk_indices, hidden_states.shape[0], top_k, weight.shape[0],
+                hidden_states.device, values=not torch.compiler.is_compiling())
+            topk_indices = topk_indices.contiguous()
+        x = hidden_states.to(torch.bfloat16).contiguous() if use_kernel else hidden_states
+        spec = training._Spec(
+            top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob, precise,
+            use_kernel, return_scores=return_scores, return_counts=return_counts,
+            param=weight if grad_into is not None else None, main_grad=grad_into)
+        topk_weights, idx, _, scores, counts = training._route(
+            x, w.contiguous() if use_kernel else w, bias.contiguous(), topk_indices, spec)
+        return topk_weights, idx.to(torch.int64), scores, counts
+    stats = return_scores or return_counts
+    if use_kernel:
+        x = hidden_states.to(torch.bfloat16).contiguous()
+        args = (x, w.contiguous(), bias.contiguous(), top_k, n_group, topk_group,
+                routed_scaling_factor, norm_topk_prob, precise)
+        if not stats:
+            topk_idx, topk_weights, _ = torch.ops.moe_routing.route(*args)
+            return topk_weights, topk_idx.to(torch.int64), None, None
+        topk_idx, topk_weights, _, scores, counts = torch.ops.moe_routing.route_with_stats(
+            *args, return_scores, return_counts)
+        return (topk_weights, topk_idx.to(torch.int64), scores if return_scores else None,
+                counts if return_counts else None)
+    topk_idx, topk_weights, _, scores, counts = reference.route_with_stats(
+        hidden_states, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+        norm_topk_prob, return_scores=return_scores, return_counts=return_counts)
+    return (topk_weights.to(torch.float32), topk_idx,
+            None if scores is None else scores.to(torch.float32),
+            None if counts is None else counts.to(torch.int32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,9 +487,9 @@ def _probe(router: nn.Module, ours: GroupedTopKRouter) -> bool:
     return returns_logits
 
 
-def _forward_indices_first(self, hidden_states: Tensor):
+def _forward_indices_first(self, hidden_states: Tensor, topk_indices: Optional[Tensor] = None):
     """transformers 4.x's router interface: ``(topk_indices, topk_weights)``."""
-    topk_weights, topk_indices = self._route(self._tokens(hidden_states))
+    topk_weights, topk_indices = self._route(self._tokens(hidden_states), topk_indices)
     return topk_indices, topk_weights
 
 

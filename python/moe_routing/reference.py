@@ -14,7 +14,9 @@ Semantics (those of the kernels and of ``src/reference.rs``), per token:
   against NaN) go to the lower index, for groups and experts alike.
 
 Gradients flow (through autograd) from ``topk_weights`` into ``x`` and ``weight`` only, never
-through the selection; the bias gets none.
+through the selection; the bias gets none. ``route_with_stats`` also gives every expert's score
+``s`` and the number of tokens routed to each expert; ``route_backward`` can add ``grad_w`` into
+a given tensor, as the ops do.
 """
 
 from typing import Optional, Tuple
@@ -141,6 +143,43 @@ def route(
     return topk_idx, weights, scores
 
 
+def expert_counts(topk_idx: Tensor, n_experts: int) -> Tensor:
+    """[E] int64: how many tokens chose each expert (each row's indices are distinct)."""
+    idx = topk_idx.reshape(-1).to(torch.int64)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=topk_idx.device)
+    return counts.scatter_add_(0, idx, torch.ones_like(idx))
+
+
+def route_with_stats(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    norm_topk_prob: bool,
+    *,
+    return_scores: bool = False,
+    return_counts: bool = False,
+    dtype: torch.dtype = torch.float64,
+    topk_idx: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """:func:`route`, plus ``scores`` [T, E] (every expert's sigmoid score, no bias, in
+    `dtype`, not differentiable) with `return_scores` and ``expert_counts`` [E] int64 with
+    `return_counts` (None where not asked for), as ``moe_routing.route_with_stats``."""
+    topk_idx, weights, topk_scores = route(x, weight, bias, top_k, n_group, topk_group,
+                                           routed_scaling_factor, norm_topk_prob, dtype=dtype,
+                                           topk_idx=topk_idx)
+    scores = counts = None
+    if return_scores:
+        with torch.no_grad():
+            scores = torch.sigmoid(_bf16_rounded(x, dtype) @ _bf16_rounded(weight, dtype).t())
+    if return_counts:
+        counts = expert_counts(topk_idx, weight.shape[0])
+    return topk_idx, weights, topk_scores, scores, counts
+
+
 def _bf16_rounded(t: Tensor, dtype: torch.dtype) -> Tensor:
     """`t` rounded to bf16, in `dtype`; the gradient passes unrounded (straight through)."""
     td = t.to(dtype)
@@ -190,13 +229,30 @@ def route_backward(
     routed_scaling_factor: float,
     norm_topk_prob: bool,
     dtype: torch.dtype = torch.float64,
+    grad_w_out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Reference backward from saved scores: ``(grad_x [T, H], grad_w [E, H])`` in `dtype`.
 
     ``G[t, topk_idx[t, k]] += routing_grad[t, k]``, ``grad_x = G @ w``, ``grad_w = G.T @ x``;
-    indices outside ``[0, E)`` contribute nothing.
+    indices outside ``[0, E)`` contribute nothing. With ``grad_w_out`` ([E, H] float32, as
+    the op takes it), ``grad_w`` is added into it and the second output is an empty tensor,
+    as ``moe_routing.route_backward`` does.
     """
     e = weight.shape[0]
+    if grad_w_out is not None:
+        want = (e, weight.shape[1])
+        if not isinstance(grad_w_out, Tensor):
+            raise TypeError(f"grad_w_out must be a torch.Tensor, got {type(grad_w_out).__name__}")
+        if grad_w_out.dtype != torch.float32 or tuple(grad_w_out.shape) != want:
+            raise ValueError(f"grad_w_out must be torch.float32 of shape {list(want)}, got "
+                             f"{grad_w_out.dtype} of shape {tuple(grad_w_out.shape)}")
+        if grad_w_out.device != x.device:
+            raise ValueError(f"grad_w_out is on {grad_w_out.device}, but x is on {x.device}")
+        grad_x, grad_w = route_backward(x, weight, topk_idx, topk_scores, grad_topk_weights,
+                                        routed_scaling_factor, norm_topk_prob, dtype)
+        with torch.no_grad():
+            grad_w_out.add_(grad_w.to(torch.float32))
+        return grad_x, grad_w_out.new_empty((0,))
     xb = x.to(torch.bfloat16).to(dtype)
     wb = weight.to(torch.bfloat16).to(dtype)
     gl = routing_grad(topk_scores, grad_topk_weights, routed_scaling_factor, norm_topk_prob, dtype)
@@ -223,7 +279,9 @@ def rel_err(a: Tensor, b: Tensor) -> float:
 
 __all__ = [
     "route",
+    "route_with_stats",
     "route_backward",
+    "expert_counts",
     "routing_grad",
     "select_experts",
     "candidates",
