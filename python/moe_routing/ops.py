@@ -480,6 +480,9 @@ def route_backward(
     accumulate = grad_w_out is not None
     if accumulate:
         placeholder = torch.empty((0,), dtype=torch.float32, device=x.device)
+        # Written in place (below, or not at all for no tokens): its version is bumped, as the
+        # native op does.
+        torch.autograd.graph.increment_version(grad_w_out)
     if T == 0:
         return grad_x, (placeholder if accumulate else
                         torch.zeros((E, H), dtype=w_dtype, device=x.device))
@@ -544,6 +547,7 @@ def _route_backward_fake(x, weight, topk_idx, topk_scores, grad_topk_weights, n_
     T, H = x.shape
     E = weight.shape[0]
     if grad_w_out is not None:
+        torch.autograd.graph.increment_version(grad_w_out)  # (as the kernels do)
         return x.new_empty((T, H), dtype=torch.bfloat16), x.new_empty((0,), dtype=torch.float32)
     return (
         x.new_empty((T, H), dtype=torch.bfloat16),
@@ -591,7 +595,7 @@ def _route_autograd_backward(ctx, _grad_idx, grad_topk_weights, _grad_scores, *_
 # The ctypes route_backward, defined by its schema: torch.library.custom_op cannot take it, as
 # its in-place bookkeeping indexes the arguments as passed, and a call that leaves the mutable
 # ``grad_w_out`` at its default passes fewer. Its schema, tags and dispatch keys are those of
-# the native op (csrc/torch_ops.cpp).
+# the native op (csrc/torch_ops.cpp); as there, the kernels bump grad_w_out's version.
 
 ROUTE_BACKWARD_SCHEMA = (
     "route_backward(Tensor x, Tensor weight, Tensor topk_idx, Tensor topk_scores, "
@@ -599,7 +603,6 @@ ROUTE_BACKWARD_SCHEMA = (
     "bool norm_topk_prob, bool precise=False, bool grad_w_bf16=False, "
     "Tensor(a11!)? grad_w_out=None) -> (Tensor, Tensor)"
 )
-_GRAD_W_OUT_INDEX = 11
 _definitions: List[torch.library.Library] = []
 
 
@@ -626,20 +629,6 @@ def _define_route_backward(impl):
     torch.library.register_fake("moe_routing::route_backward", _route_backward_fake, lib=lib)
     op = torch.ops.moe_routing.route_backward.default
 
-    def grad_w_out_of(args, kwargs):
-        if len(args) > _GRAD_W_OUT_INDEX:
-            return args[_GRAD_W_OUT_INDEX]
-        return kwargs.get("grad_w_out")
-
-    def inplace_or_view(keyset, *args, **kwargs):
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            result = op.redispatch(keyset & torch._C._after_ADInplaceOrView_keyset, *args,
-                                   **kwargs)
-        out = grad_w_out_of(args, kwargs)
-        if out is not None:
-            torch.autograd.graph.increment_version(out)
-        return result
-
     def autograd(keyset, *args, **kwargs):
         with torch._C._AutoDispatchBelowAutograd():
             grad_x, grad_w = op.redispatch(keyset & torch._C._after_autograd_keyset, *args,
@@ -651,7 +640,6 @@ def _define_route_backward(impl):
                 grad_x, grad_w = _NotDifferentiable.apply(anchor, grad_x, grad_w)
         return grad_x, grad_w
 
-    lib.impl("route_backward", inplace_or_view, "ADInplaceOrView", with_keyset=True)
     lib.impl("route_backward", autograd, "Autograd", with_keyset=True)
     return torch.ops.moe_routing.route_backward
 

@@ -402,6 +402,11 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   auto grad_x = at::empty({T, H}, x.options().dtype(at::kBFloat16));
   at::Tensor placeholder;
   if (accumulate) placeholder = at::empty({0}, x.options().dtype(at::kFloat));
+  if (accumulate) {
+    // Written in place (below, or not at all for no tokens): its version counter is bumped
+    // here, as the autograd fallback above this kernel skips the in-place bookkeeping.
+    grad_w_out->unsafeGetTensorImpl()->bump_version();
+  }
   if (T == 0) {
     return {grad_x, accumulate ? placeholder : at::zeros({E, H}, x.options().dtype(w_dtype))};
   }
@@ -491,8 +496,3 @@ TORCH_LIBRARY_IMPL(moe_routing, Autograd, m) {
   m.impl("route_backward", torch::autograd::autogradNotImplementedFallback());
 }
 
-// grad_w_out is written in place: its version counter is bumped, as Python's custom_op does for
-// the arguments it mutates.
-TORCH_LIBRARY_IMPL(moe_routing, ADInplaceOrView, m) {
-  m.impl("route_backward", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
-}
