@@ -7,13 +7,19 @@
 * ``torch.ops.moe_routing.route`` / ``route_backward`` (also :func:`route`,
   :func:`route_backward`): the custom ops, native (C++, ``libmoe_routing_torch.so``) where
   that library is present, else Python ones over ctypes (:mod:`moe_routing.ops` says which);
-* :mod:`moe_routing.reference`: the same semantics in plain PyTorch.
+* :mod:`moe_routing.reference`: the same semantics in plain PyTorch;
+* training: :func:`route_with_stats` (all scores and per-expert token counts from the same
+  kernel call), :func:`update_expert_bias` (loss-free balancing), :func:`route_with_indices`
+  (routing replay), grad_w added into Megatron's ``main_grad``
+  (``GroupedTopKRouter(accumulate_grad_into_main_grad=True)``);
+* :mod:`moe_routing.adapters`: :class:`MegatronTopKRouter` and :class:`TokenChoiceTopKRouter`,
+  drop-ins for Megatron-LM's and torchtitan's routers.
 
 The shared library ``libmoe_routing.so`` is loaded through ctypes on first use, or at import
 with the native ops; see :func:`library_path` for where it is looked for.
 """
 
-from . import reference
+from . import adapters, reference
 from ._lib import (
     ABI_VERSION,
     LibraryError,
@@ -29,6 +35,7 @@ from ._lib import load as load_library
 from .module import GroupedTopKRouter, replace_hf_routers
 from .ops import check_config, route, route_backward, route_with_stats
 from .training import route_with_indices, update_expert_bias
+from .adapters import MegatronTopKRouter, TokenChoiceTopKRouter
 
 __version__ = "0.1.0"
 
@@ -36,8 +43,11 @@ __all__ = [
     "ABI_VERSION",
     "GroupedTopKRouter",
     "LibraryError",
+    "MegatronTopKRouter",
     "MoeRoutingError",
+    "TokenChoiceTopKRouter",
     "abi_version",
+    "adapters",
     "candidate_paths",
     "check_config",
     "find_library",
