@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-import moe_routing
 from moe_routing import _lib
 from moe_routing import reference as R
 from moe_routing.adapters import MegatronTopKRouter, TokenChoiceTopKRouter

@@ -7,7 +7,6 @@ checked against an independent float64 computation written here. GPU tests (a Ho
 the library) run the same features through the kernels and are skipped otherwise.
 """
 
-import math
 import os
 import socket
 import tempfile
