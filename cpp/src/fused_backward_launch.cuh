@@ -1,6 +1,8 @@
 // Host launch of one fused-backward instantiation: TMA descriptors, parameters, launch.
 #pragma once
 
+#include "tma_encode.h"  // (before CUTLASS's headers)
+
 #include <cute/tensor.hpp>
 
 #include "fused_backward.h"

@@ -1,6 +1,8 @@
 // Host launch of one fused-forward instantiation: TMA descriptors, parameters, cluster launch.
 #pragma once
 
+#include "tma_encode.h"  // (before CUTLASS's headers)
+
 #include <cute/tensor.hpp>
 
 #include "fused_forward.h"
