@@ -444,7 +444,7 @@ pub struct Ceiling {
     pub variant: String,
 }
 
-/// Copy kernels tried (as tools/ceiling tries them): CTAs of 256 threads per SM (0: one pass
+/// Copy kernels tried (as research/ceiling tries them): CTAs of 256 threads per SM (0: one pass
 /// over a grid that covers every vector), streaming loads, streaming stores.
 pub const COPY_VARIANTS: [(u32, bool, bool); 12] = [
     (0, true, true),
@@ -487,7 +487,7 @@ pub fn time_ceiling(
     seed: u64,
 ) -> Result<Ceiling> {
     let (reads, writes) = (read_bytes.ceil() as usize, write_bytes.ceil() as usize);
-    // Rounded down to 64 KB: tools/ceiling saw sizes of odd multiples of 16 bytes take a path
+    // Rounded down to 64 KB: research/ceiling saw sizes of odd multiples of 16 bytes take a path
     // 1.5-1.6x slower; the bytes less only make the ceiling more generous.
     let half = (reads + writes) / 2 / 65536 * 65536;
     let words = reads.max(writes).max(half).div_ceil(16) * 2; // whole 16-byte vectors

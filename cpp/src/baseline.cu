@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_from_logits(ForwardPar
   route_token_warp(p, t, score, choice, key, group_score, kept);
 }
 
-// The copy (tools/ceiling's kernel): 16-byte vectors, kCopyUnroll of them in flight per thread.
+// The copy (research/ceiling's kernel): 16-byte vectors, kCopyUnroll of them in flight per thread.
 constexpr int kCopyThreads = 256, kCopyUnroll = 4;
 
 // Cache hints: `.cs` (streaming, evict first) or the default.

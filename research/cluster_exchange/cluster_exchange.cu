@@ -16,7 +16,7 @@
 //
 //   cluster_exchange   E = 160, clusters of 2, 3, 4, 6, 8, 16 on ⌊132 / size⌋ clusters
 //
-// Build: tools/cluster_exchange/build.sh (needs no GPU); run on a Hopper GPU.
+// Build: research/cluster_exchange/build.sh (needs no GPU); run on a Hopper GPU.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

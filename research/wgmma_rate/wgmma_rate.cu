@@ -9,7 +9,7 @@
 //
 //   wgmma_rate [UNITS]   (default 2000)
 //
-// Build: tools/wgmma_rate/build.sh (needs no GPU); run on a Hopper GPU.
+// Build: research/wgmma_rate/build.sh (needs no GPU); run on a Hopper GPU.
 #include <cstdio>
 #include <cstdlib>
 #include <type_traits>

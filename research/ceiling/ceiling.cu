@@ -20,7 +20,7 @@
 //
 //   ceiling T H E K [T H E K ...]
 //
-// Prints one line per case and direction. Build: tools/ceiling/build.sh (no GPU needed); run on
+// Prints one line per case and direction. Build: research/ceiling/build.sh (no GPU needed); run on
 // a Hopper GPU.
 #include <algorithm>
 #include <cstdint>

@@ -16,7 +16,7 @@
 //
 // Prints the time per call (CUDA events, median of 7 rounds of 40 back-to-back launches over 4
 // rotated buffer pairs) and TB/s counting the 4·T·H bytes moved. Build:
-// tools/dram_pattern/build.sh (no GPU needed); run on a Hopper GPU.
+// research/dram_pattern/build.sh (no GPU needed); run on a Hopper GPU.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

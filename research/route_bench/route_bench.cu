@@ -8,7 +8,7 @@
 //
 //   route_bench [N_GROUP TOPK_GROUP]   E = 160, top 8, 132 CTAs (default: 8 groups, top 4)
 //
-// Build: tools/route_bench/build.sh (needs no GPU); run on a Hopper GPU.
+// Build: research/route_bench/build.sh (needs no GPU); run on a Hopper GPU.
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>

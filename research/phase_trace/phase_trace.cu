@@ -25,7 +25,7 @@
 // fused forward on each set's x and w, as the benchmarks make them (else spread synthetic ones).
 // ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
-// MOE_ROUTING_TRACE calls in the kernels. Build: tools/phase_trace/build.sh (needs no GPU); run
+// MOE_ROUTING_TRACE calls in the kernels. Build: research/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
 #include <cstdio>
 #include <cstdlib>
