@@ -16,16 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from moe_routing import _lib
 from moe_routing import reference as R
 from moe_routing.adapters import MegatronTopKRouter, TokenChoiceTopKRouter
 
-HAS_LIB = _lib.find_library() is not None
-HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-needs_gpu = pytest.mark.skipif(
-    not (HAS_LIB and HAS_HOPPER),
-    reason="needs a Hopper GPU (sm_90) through torch.cuda and libmoe_routing.so",
-)
+from test_router import needs_gpu  # (same directory: pytest puts it on sys.path)
 
 
 def bf16_exact(t):

@@ -17,17 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe_routing
-from moe_routing import GroupedTopKRouter, _lib
+from moe_routing import GroupedTopKRouter
 from moe_routing import reference as R
 
-from test_router import CONFIGS, config, inputs, op_args
+from test_router import CONFIGS, config, inputs, needs_gpu, op_args
 
-HAS_LIB = _lib.find_library() is not None
-HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) == (9, 0)
-needs_gpu = pytest.mark.skipif(
-    not (HAS_LIB and HAS_HOPPER),
-    reason="needs a Hopper GPU (sm_90) through torch.cuda and libmoe_routing.so",
-)
 
 
 def bwd_rest(c):
