@@ -4,20 +4,18 @@
 #include <atomic>
 #include <cstdint>
 
-#include "cuda_error.h"
 #include "moe_routing/router.h"
 
 namespace moe_routing::detail {
 
 inline Status last_launch_status() {
-  const cudaError_t err = cudaGetLastError();
-  return err == cudaSuccess ? Status::kSuccess : cuda_error(err);
+  return cudaGetLastError() == cudaSuccess ? Status::kSuccess : Status::kCudaError;
 }
 
 inline Status cuda_status(cudaError_t err) {
   if (err == cudaSuccess) return Status::kSuccess;
   (void)cudaGetLastError();
-  return cuda_error(err);
+  return Status::kCudaError;
 }
 
 // Puts the calling thread in relaxed stream-capture mode for its scope. The host-side queries

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <limits>
-#include <string>
 
 namespace moe_routing {
 
@@ -39,22 +38,6 @@ Status validate_config(const RouterConfig& c) {
 }
 
 namespace detail {
-
-namespace {
-thread_local std::string last_cuda_error_text;  // last_cuda_error()
-}  // namespace
-
-Status cuda_error(cudaError_t err) {
-  last_cuda_error_text = std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
-  return Status::kCudaError;
-}
-
-Status exception_error(const char* what) {
-  last_cuda_error_text = std::string("exception in the library: ") +
-                         (what != nullptr ? what : "unknown");
-  return Status::kCudaError;
-}
-
 namespace {
 
 // The device a stream belongs to (the current device for the legacy default stream). While a
@@ -65,19 +48,18 @@ Status stream_device(cudaStream_t stream, int* device) {
     // Asking a capturing stream for its device invalidates the capture: ask whether it
     // captures first (allowed).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
       (void)cudaGetLastError();
-      return cuda_error(err);
+      return Status::kCudaError;
     }
     if (capture != cudaStreamCaptureStatusNone) {
       *device = -1;
       return Status::kSuccess;
     }
   }
-  if (cudaError_t err = stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device);
-      err != cudaSuccess) {
+  if ((stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device)) != cudaSuccess) {
     (void)cudaGetLastError();
-    return cuda_error(err);
+    return Status::kCudaError;
   }
   return Status::kSuccess;
 }
@@ -138,11 +120,9 @@ Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int checked_de
   if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
   for (const Buffer& b : buffers)
     if (Status s = check_device(b, device); s != Status::kSuccess) return s;
-  if (*device < 0) {  // no buffer needed
-    if (cudaError_t err = cudaGetDevice(device); err != cudaSuccess) {
-      (void)cudaGetLastError();
-      return cuda_error(err);
-    }
+  if (*device < 0 && cudaGetDevice(device) != cudaSuccess) {  // no buffer needed
+    (void)cudaGetLastError();
+    return Status::kCudaError;
   }
   return Status::kSuccess;
 }
@@ -227,8 +207,6 @@ DeviceGuard::~DeviceGuard() {
 }
 
 }  // namespace detail
-
-const char* last_cuda_error() { return detail::last_cuda_error_text.c_str(); }
 
 int device_count() {
   int n = 0;
