@@ -63,6 +63,7 @@ pub(crate) mod ffi {
         unsafe fn router_backward(cfg: &Config, bufs: &BackwardBuffers, stream: u64) -> i32;
         fn device_count() -> i32;
         fn status_string(status: i32) -> &'static str;
+        fn last_cuda_error() -> String;
         unsafe fn baseline_routing_grad_dense(
             cfg: &Config,
             tokens: i64,

@@ -31,9 +31,14 @@ impl Status {
         }
     }
 
+    /// A CUDA error's message ends with the runtime's name and description of it.
     pub(crate) fn into_result(self, context: impl FnOnce() -> String) -> Result<(), Error> {
         match self {
             Status::Success => Ok(()),
+            Status::Cuda => Err(Error {
+                kind: Status::Cuda,
+                message: format!("{} ({})", context(), crate::bridge::ffi::last_cuda_error()),
+            }),
             kind => Err(Error {
                 kind,
                 message: context(),

@@ -102,6 +102,7 @@ extern "C" {
     ) -> i32;
     fn moe_routing_device_count() -> i32;
     fn moe_routing_kernel_paths(config: *const Config, paths: *mut u32) -> i32;
+    fn moe_routing_last_cuda_error() -> *const c_char;
 }
 
 const SUCCESS: i32 = 0;
@@ -737,4 +738,34 @@ fn kernel_paths() {
         unsafe { moe_routing_kernel_paths(&glm(), null_mut()) },
         NULL_POINTER
     );
+}
+
+#[test]
+fn cuda_errors_carry_the_runtime_text() {
+    let last = || {
+        let p = unsafe { moe_routing_last_cuda_error() };
+        assert!(!p.is_null());
+        unsafe { CStr::from_ptr(p) }.to_str().unwrap().to_owned()
+    };
+    // Per thread, empty until a call of that thread fails in the CUDA runtime.
+    assert_eq!(std::thread::spawn(last).join().unwrap(), "");
+    // Host buffers: without a GPU the runtime's device query fails (no device, no driver); with
+    // one the buffers are foreign. A CUDA error names the runtime's error and describes it.
+    let c = glm();
+    let host = vec![0u8; 16 * 256];
+    let status = unsafe { moe_routing_backward(&c, &host_backward_args(&host, 7), null_mut()) };
+    assert!(
+        status == CUDA_ERROR || status == FOREIGN_POINTER,
+        "status {status}"
+    );
+    if status == CUDA_ERROR {
+        let text = last();
+        assert!(
+            text.starts_with("cudaError") && text.contains(": "),
+            "{text:?}"
+        );
+        // Like errno: a later call that succeeds leaves it.
+        assert_eq!(unsafe { moe_routing_validate_config(&c) }, SUCCESS);
+        assert_eq!(last(), text);
+    }
 }

@@ -3,6 +3,9 @@
 #include "moe-routing/src/bridge.rs.h"
 #include "moe_routing/baseline.h"
 #include "moe_routing/router.h"
+#include "src/cuda_error.h"
+
+#include <exception>
 
 namespace moe_routing::bridge {
 namespace {
@@ -30,13 +33,16 @@ DeviceInput input(const Buffer& b, int32_t dtype) {
           static_cast<DType>(dtype)};
 }
 
-// No exception may cross into Rust.
+// No exception may cross into Rust: one is reported as a CUDA error with its text
+// (last_cuda_error).
 template <class F>
 int32_t guarded(F&& f) noexcept {
   try {
     return static_cast<int32_t>(f());
+  } catch (const std::exception& e) {
+    return static_cast<int32_t>(moe_routing::detail::exception_error(e.what()));
   } catch (...) {
-    return static_cast<int32_t>(Status::kCudaError);
+    return static_cast<int32_t>(moe_routing::detail::exception_error(nullptr));
   }
 }
 
@@ -89,6 +95,8 @@ int32_t router_backward(const Config& cfg, const BackwardBuffers& b, uint64_t st
 }
 
 int32_t device_count() { return moe_routing::device_count(); }
+
+rust::String last_cuda_error() { return rust::String(moe_routing::last_cuda_error()); }
 
 rust::Str status_string(int32_t status) {
   return moe_routing::status_string(static_cast<Status>(status));

@@ -17,6 +17,7 @@ int32_t router_forward(const Config& cfg, const ForwardBuffers& bufs, uint64_t s
 int32_t router_backward(const Config& cfg, const BackwardBuffers& bufs, uint64_t stream);
 int32_t device_count();
 rust::Str status_string(int32_t status);
+rust::String last_cuda_error();
 int32_t baseline_routing_grad_dense(const Config& cfg, int64_t tokens, uint64_t topk_idx,
                                      uint64_t topk_scores, uint64_t grad_topk_weights,
                                      uint64_t dense, uint64_t stream);

@@ -1,10 +1,12 @@
 // The C ABI (moe_routing/moe_routing.h): checks the structs' sizes, converts to the C++ API and
 // keeps every exception on this side. Host code only.
 #include <cstddef>
+#include <exception>
 #include <type_traits>
 
 #include "fused_backward.h"
 #include "kernel_paths.h"
+#include "launch.h"
 #include "moe_routing/moe_routing.h"
 #include "moe_routing/router.h"
 
@@ -181,13 +183,17 @@ const char* moe_routing_status_string(int32_t status) {
   return moe_routing::status_string(static_cast<Status>(status));
 }
 
+const char* moe_routing_last_cuda_error(void) { return moe_routing::last_cuda_error(); }
+
 int32_t moe_routing_validate_config(const moe_routing_config* config) {
   try {
     moe_routing::RouterConfig cfg;
     if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
     return code(moe_routing::validate_config(cfg));
+  } catch (const std::exception& e) {
+    return code(moe_routing::detail::exception_error(e.what()));
   } catch (...) {
-    return code(Status::kCudaError);
+    return code(moe_routing::detail::exception_error(nullptr));
   }
 }
 
@@ -203,8 +209,10 @@ int32_t moe_routing_kernel_paths(const moe_routing_config* config, uint32_t* pat
              (moe_routing::detail::fused_backward_supported(cfg) ? MOE_ROUTING_PATH_BACKWARD_FUSED
                                                                  : 0u);
     return code(Status::kSuccess);
+  } catch (const std::exception& e) {
+    return code(moe_routing::detail::exception_error(e.what()));
   } catch (...) {
-    return code(Status::kCudaError);
+    return code(moe_routing::detail::exception_error(nullptr));
   }
 }
 
@@ -226,8 +234,10 @@ int32_t moe_routing_forward(const moe_routing_config* config,
     if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
     if (Status s = to_forward(args, &fwd); s != Status::kSuccess) return code(s);
     return code(moe_routing::router_forward(cfg, fwd, static_cast<cudaStream_t>(stream)));
+  } catch (const std::exception& e) {
+    return code(moe_routing::detail::exception_error(e.what()));
   } catch (...) {
-    return code(Status::kCudaError);
+    return code(moe_routing::detail::exception_error(nullptr));
   }
 }
 
@@ -239,8 +249,10 @@ int32_t moe_routing_backward(const moe_routing_config* config,
     if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
     if (Status s = to_backward(args, &bwd); s != Status::kSuccess) return code(s);
     return code(moe_routing::router_backward(cfg, bwd, static_cast<cudaStream_t>(stream)));
+  } catch (const std::exception& e) {
+    return code(moe_routing::detail::exception_error(e.what()));
   } catch (...) {
-    return code(Status::kCudaError);
+    return code(moe_routing::detail::exception_error(nullptr));
   }
 }
 

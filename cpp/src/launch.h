@@ -4,18 +4,20 @@
 #include <atomic>
 #include <cstdint>
 
+#include "cuda_error.h"
 #include "moe_routing/router.h"
 
 namespace moe_routing::detail {
 
 inline Status last_launch_status() {
-  return cudaGetLastError() == cudaSuccess ? Status::kSuccess : Status::kCudaError;
+  const cudaError_t err = cudaGetLastError();
+  return err == cudaSuccess ? Status::kSuccess : cuda_error(err);
 }
 
 inline Status cuda_status(cudaError_t err) {
   if (err == cudaSuccess) return Status::kSuccess;
   (void)cudaGetLastError();
-  return Status::kCudaError;
+  return cuda_error(err);
 }
 
 // Puts the calling thread in relaxed stream-capture mode for its scope. The host-side queries

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
 
 namespace moe_routing {
 
@@ -38,6 +39,7 @@ Status validate_config(const RouterConfig& c) {
 }
 
 namespace detail {
+
 namespace {
 
 // The device a stream belongs to (the current device for the legacy default stream). While a
@@ -48,18 +50,19 @@ Status stream_device(cudaStream_t stream, int* device) {
     // Asking a capturing stream for its device invalidates the capture: ask whether it
     // captures first (allowed).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
       (void)cudaGetLastError();
-      return Status::kCudaError;
+      return cuda_error(err);
     }
     if (capture != cudaStreamCaptureStatusNone) {
       *device = -1;
       return Status::kSuccess;
     }
   }
-  if ((stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device)) != cudaSuccess) {
+  if (cudaError_t err = stream ? cudaStreamGetDevice(stream, device) : cudaGetDevice(device);
+      err != cudaSuccess) {
     (void)cudaGetLastError();
-    return Status::kCudaError;
+    return cuda_error(err);
   }
   return Status::kSuccess;
 }
@@ -120,9 +123,11 @@ Status check_all(const Buffer (&buffers)[N], cudaStream_t stream, int checked_de
   if (Status s = stream_device(stream, device); s != Status::kSuccess) return s;
   for (const Buffer& b : buffers)
     if (Status s = check_device(b, device); s != Status::kSuccess) return s;
-  if (*device < 0 && cudaGetDevice(device) != cudaSuccess) {  // no buffer needed
-    (void)cudaGetLastError();
-    return Status::kCudaError;
+  if (*device < 0) {  // no buffer needed
+    if (cudaError_t err = cudaGetDevice(device); err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return cuda_error(err);
+    }
   }
   return Status::kSuccess;
 }
@@ -207,6 +212,8 @@ DeviceGuard::~DeviceGuard() {
 }
 
 }  // namespace detail
+
+const char* last_cuda_error() { return detail::last_cuda_error_text().c_str(); }
 
 int device_count() {
   int n = 0;

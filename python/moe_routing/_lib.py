@@ -218,6 +218,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.moe_routing_version_string.restype = c_char_p
     lib.moe_routing_status_string.argtypes = [c_int32]
     lib.moe_routing_status_string.restype = c_char_p
+    if hasattr(lib, "moe_routing_last_cuda_error"):  # (libraries from before it: without)
+        lib.moe_routing_last_cuda_error.argtypes = []
+        lib.moe_routing_last_cuda_error.restype = c_char_p
     lib.moe_routing_validate_config.argtypes = [POINTER(MoeRoutingConfig)]
     lib.moe_routing_validate_config.restype = c_int32
     lib.moe_routing_backward_workspace_bytes.argtypes = [POINTER(MoeRoutingConfig), c_int64]
@@ -294,10 +297,25 @@ def status_string(status: int) -> str:
     return s.decode() if s is not None else "unknown status"
 
 
+def last_cuda_error() -> str:
+    """The CUDA error behind this thread's last CUDA_ERROR status, as the runtime names and
+    describes it ("" if none, or if the library predates it)."""
+    lib = load()
+    if not hasattr(lib, "moe_routing_last_cuda_error"):
+        return ""
+    s = lib.moe_routing_last_cuda_error()
+    return s.decode(errors="replace") if s is not None else ""
+
+
 def check_status(status: int, what: str) -> None:
-    """Raises :class:`MoeRoutingError` for a non-zero status."""
+    """Raises :class:`MoeRoutingError` for a non-zero status; a CUDA error's message ends with
+    the runtime's name and description of it."""
     if status != SUCCESS:
-        raise MoeRoutingError(status, f"{what} failed: {status_string(status)} (status {status})")
+        detail = last_cuda_error() if status == CUDA_ERROR else ""
+        raise MoeRoutingError(
+            status,
+            f"{what} failed: {status_string(status)}{': ' + detail if detail else ''} "
+            f"(status {status})")
 
 
 def make_config(

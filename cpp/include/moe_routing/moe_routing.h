@@ -190,6 +190,12 @@ MOE_ROUTING_API const char* moe_routing_version_string(void);
 /* A short English description of a status code (static storage; never NULL). */
 MOE_ROUTING_API const char* moe_routing_status_string(int32_t status);
 
+/* The CUDA error behind the calling thread's last MOE_ROUTING_CUDA_ERROR, as the runtime names
+ * and describes it, e.g. "cudaErrorNoDevice: no CUDA-capable device is detected"; "" if this
+ * thread had none. Like errno, a later successful call leaves it as it was. Never NULL;
+ * thread-local storage, valid until the thread's next call into the library. */
+MOE_ROUTING_API const char* moe_routing_last_cuda_error(void);
+
 /* Checks the config alone; needs no GPU. */
 MOE_ROUTING_API int32_t moe_routing_validate_config(const moe_routing_config* config);
 

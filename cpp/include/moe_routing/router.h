@@ -41,6 +41,12 @@ enum class Status : int32_t {
 
 const char* status_string(Status status);
 
+// The CUDA error behind the calling thread's last Status::kCudaError, as the runtime names and
+// describes it, e.g. "cudaErrorNoDevice: no CUDA-capable device is detected"; "" if this thread
+// had none. Like errno, a later successful call leaves it as it was. (Thread-local storage,
+// valid until the thread's next call into the library.)
+const char* last_cuda_error();
+
 struct RouterConfig {
   int64_t hidden_size = 5120;         // H, a multiple of 8
   int64_t n_routed_experts = 160;     // E

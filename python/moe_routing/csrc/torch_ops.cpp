@@ -163,8 +163,11 @@ void check_abi() {
 }
 
 void check_status(int32_t status, const char* what) {
+  // A CUDA error says which (the runtime's name and description).
+  const bool cuda = status == MOE_ROUTING_CUDA_ERROR;
   TORCH_CHECK(status == MOE_ROUTING_SUCCESS, what, " failed: ",
-              moe_routing_status_string(status), " (status ", status, ")");
+              moe_routing_status_string(status), cuda ? ": " : "",
+              cuda ? moe_routing_last_cuda_error() : "", " (status ", status, ")");
 }
 
 moe_routing_config make_config(int64_t H, int64_t E, int64_t K, int64_t n_group,
