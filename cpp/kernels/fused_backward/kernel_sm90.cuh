@@ -330,9 +330,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     using Format = RowFormat;
     if constexpr (!Cfg::kAnyK && Cfg::kRoleSplit) {
       // The [T, K] routing arrays are fetched into L2 at once, each CTA its share, so that the
-      // builders' loads, a unit ahead, wait on L2 rather than DRAM (backward v24: 7% faster back
-      // to back at T = 1024-1536, 1-3% in single calls; the 128-column kernels, at larger T,
-      // were 0.5-1.5% slower with it).
+      // builders' loads, a unit ahead, wait on L2 rather than DRAM (backward v24: 6-8% faster
+      // back to back at T = 1264-4096, up to 3% in single calls; the 128-column kernels were
+      // 0.5-1.5% slower with it, their L1 prefetch already covering the rows).
       if (thread == 0) {
         constexpr int64_t kRow = Cfg::kTopK * 4;
         const int64_t share = ceil_div(ceil_div(p.tokens, int64_t(gridDim.x)) * kRow, 16) * 16;
