@@ -175,7 +175,7 @@ struct Package<'a> {
 /// levels above `OUT_DIR`, so `CARGO_TARGET_DIR` and `--target` are followed):
 ///
 /// ```text
-/// include/moe_routing/{router.h, baseline.h, moe_routing.h}
+/// include/moe_routing/{router.h, moe_routing.h}
 /// lib/libmoe_routing.a          self-contained: the CUDA runtime (cudart_static) merged in;
 ///                               link with -lstdc++ -ldl -lrt -lpthread
 /// lib/libmoe_routing.so.1       shared, soname libmoe_routing.so.1, CUDA runtime inside and

@@ -547,7 +547,8 @@ fn unfused_backward(
 ) -> Result<()> {
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 
-    router.baseline_routing_grad_dense(
+    moe_routing_baseline::routing_grad_dense(
+        router,
         stream,
         tokens,
         &set.topk_idx,

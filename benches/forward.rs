@@ -318,7 +318,14 @@ fn unfused_forward(
             )?;
         }
     }
-    router.baseline_route_from_logits(stream, tokens, logits, &set.bias, &mut set.out)?;
+    moe_routing_baseline::route_from_logits(
+        router,
+        stream,
+        tokens,
+        logits,
+        &set.bias,
+        &mut set.out,
+    )?;
     Ok(())
 }
 

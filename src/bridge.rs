@@ -64,36 +64,5 @@ pub(crate) mod ffi {
         fn device_count() -> i32;
         fn status_string(status: i32) -> &'static str;
         fn last_cuda_error() -> String;
-        unsafe fn baseline_routing_grad_dense(
-            cfg: &Config,
-            tokens: i64,
-            topk_idx: u64,
-            topk_scores: u64,
-            grad_topk_weights: u64,
-            dense: u64,
-            stream: u64,
-        ) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn baseline_route_from_logits(
-            cfg: &Config,
-            tokens: i64,
-            logits: u64,
-            bias: u64,
-            topk_idx: u64,
-            topk_weights: u64,
-            topk_scores: u64,
-            stream: u64,
-        ) -> i32;
-        #[allow(clippy::too_many_arguments)]
-        unsafe fn baseline_copy(
-            input: u64,
-            output: u64,
-            read_bytes: i64,
-            write_bytes: i64,
-            ctas_per_sm: i32,
-            streaming_loads: bool,
-            streaming_stores: bool,
-            stream: u64,
-        ) -> i32;
     }
 }

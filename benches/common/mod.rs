@@ -22,7 +22,7 @@ use cudarc::driver::sys::{
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use moe_routing::suite::{self, Case};
 use moe_routing::testing::Rng;
-use moe_routing::{cuda_device_count, Router, RouterConfig};
+use moe_routing::{cuda_device_count, RouterConfig};
 
 pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
@@ -359,7 +359,7 @@ impl Flush {
     /// Queues the flush on `stream`. Default (write-back) stores: streaming ones would be
     /// evicted first and leave older lines in L2.
     pub fn queue(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
-        Router::baseline_copy(
+        moe_routing_baseline::copy(
             stream,
             &self.none,
             &mut self.buf,
@@ -507,7 +507,9 @@ pub fn time_ceiling(
         let (per_sm, load_cs, store_cs) = variant;
         let us = time_single_calls(stream, flush, sets, |i| {
             let (src, dst) = &mut bufs[i % sets];
-            Router::baseline_copy(stream, &*src, dst, reads, writes, per_sm, load_cs, store_cs)?;
+            moe_routing_baseline::copy(
+                stream, &*src, dst, reads, writes, per_sm, load_cs, store_cs,
+            )?;
             Ok(())
         })?;
         if us < best.us {

@@ -7,12 +7,12 @@
 
 #include <cuda_bf16.h>
 
-#include "forward_params.h"
+#include "src/forward_params.h"
 #include "kernels/route_warp.cuh"
 #include "kernels/routing.cuh"
-#include "launch.h"
-#include "moe_routing/baseline.h"
-#include "validate.h"
+#include "src/launch.h"
+#include "baseline.h"
+#include "src/validate.h"
 
 namespace moe_routing::kernels {
 
