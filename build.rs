@@ -157,6 +157,9 @@ fn main() {
     println!("cargo:include={}", manifest.join("cpp/include").display());
     println!("cargo:cuda_home={}", cuda.display());
     println!("cargo:cutlass_include={}", cutlass.display());
+    // Every .cu's nvcc flags (cpp/nvcc.flags and MOE_ROUTING_NVCC_FLAGS), for dependents that
+    // compile CUDA against these headers (the benches' baselines).
+    println!("cargo:nvcc_flags={}", [flags, extra].concat().join(" "));
 }
 
 /// What [`package`] is made from.

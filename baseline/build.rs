@@ -1,5 +1,5 @@
-//! Builds the baselines' CUDA code (cpp/baseline.cu) with the toolchain, CUTLASS and flags the
-//! library was built with (its build script's `cargo:` metadata), and their cxx bridge.
+//! Builds the baselines' CUDA code (cpp/baseline.cu) with the toolchain, CUTLASS and nvcc flags
+//! the library was built with (its build script's `cargo:` metadata), and their cxx bridge.
 
 use std::env;
 use std::path::PathBuf;
@@ -17,25 +17,21 @@ fn main() {
         "cpp",
         "../cpp/src",
         "../cpp/kernels",
-        "../cpp/nvcc.flags",
+        "../cpp/bridge",
     ] {
         println!("cargo:rerun-if-changed={path}");
     }
+    println!("cargo:rerun-if-env-changed=NVCC_CCBIN");
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let root = manifest.parent().expect("the repository").to_path_buf();
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let (cuda, cutlass, include) = (dep("CUDA_HOME"), dep("CUTLASS_INCLUDE"), dep("INCLUDE"));
 
-    let flags: Vec<String> = std::fs::read_to_string(root.join("cpp/nvcc.flags"))
-        .expect("cpp/nvcc.flags")
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(String::from)
-        .collect();
+    let flags = env::var("DEP_MOE_ROUTING_NVCC_FLAGS")
+        .expect("DEP_MOE_ROUTING_NVCC_FLAGS: set by moe-routing's build");
     let obj = out.join("baseline.o");
     let mut nvcc = Command::new(cuda.join("bin/nvcc"));
-    nvcc.args(&flags)
+    nvcc.args(flags.split_whitespace())
         .arg("-c")
         .arg("-I")
         .arg(&include)

@@ -1,40 +1,15 @@
 #include "baseline_bridge.h"
 
 #include "baseline.h"
+#include "bridge/common.h"
 #include "moe-routing-baseline/src/lib.rs.h"
-#include "src/cuda_error.h"
 
-#include <exception>
 #include <string>
 
 namespace moe_routing::baseline {
-namespace {
+using bridge::guarded;
+using bridge::to_config;
 
-RouterConfig to_config(const BaselineConfig& c) {
-  RouterConfig r;
-  r.hidden_size = c.hidden_size;
-  r.n_routed_experts = c.n_routed_experts;
-  r.num_experts_per_tok = c.num_experts_per_tok;
-  r.n_group = c.n_group;
-  r.topk_group = c.topk_group;
-  r.routed_scaling_factor = c.routed_scaling_factor;
-  r.norm_topk_prob = c.norm_topk_prob;
-  return r;
-}
-
-// No exception may cross into Rust (as in the library's cpp/bridge/bridge.cc).
-template <class F>
-int32_t guarded(F&& f) noexcept {
-  try {
-    return static_cast<int32_t>(f());
-  } catch (const std::exception& e) {
-    return static_cast<int32_t>(moe_routing::detail::exception_error(e.what()));
-  } catch (...) {
-    return static_cast<int32_t>(moe_routing::detail::exception_error(nullptr));
-  }
-}
-
-}  // namespace
 
 int32_t baseline_routing_grad_dense(const BaselineConfig& cfg, int64_t tokens, uint64_t topk_idx,
                                     uint64_t topk_scores, uint64_t grad_topk_weights,

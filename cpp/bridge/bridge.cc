@@ -1,25 +1,11 @@
 #include "bridge/bridge.h"
 
+#include "bridge/common.h"
 #include "moe-routing/src/bridge.rs.h"
 #include "moe_routing/router.h"
-#include "src/cuda_error.h"
-
-#include <exception>
 
 namespace moe_routing::bridge {
 namespace {
-
-RouterConfig to_config(const Config& c) {
-  RouterConfig r;
-  r.hidden_size = c.hidden_size;
-  r.n_routed_experts = c.n_routed_experts;
-  r.num_experts_per_tok = c.num_experts_per_tok;
-  r.n_group = c.n_group;
-  r.topk_group = c.topk_group;
-  r.routed_scaling_factor = c.routed_scaling_factor;
-  r.norm_topk_prob = c.norm_topk_prob;
-  return r;
-}
 
 template <class T>
 DeviceSpan<T> span(const Buffer& b) {
@@ -30,19 +16,6 @@ DeviceSpan<T> span(const Buffer& b) {
 DeviceInput input(const Buffer& b, int32_t dtype) {
   return {reinterpret_cast<const void*>(static_cast<uintptr_t>(b.ptr)), b.len,
           static_cast<DType>(dtype)};
-}
-
-// No exception may cross into Rust: one is reported as a CUDA error with its text
-// (last_cuda_error).
-template <class F>
-int32_t guarded(F&& f) noexcept {
-  try {
-    return static_cast<int32_t>(f());
-  } catch (const std::exception& e) {
-    return static_cast<int32_t>(moe_routing::detail::exception_error(e.what()));
-  } catch (...) {
-    return static_cast<int32_t>(moe_routing::detail::exception_error(nullptr));
-  }
 }
 
 }  // namespace
