@@ -49,9 +49,9 @@ use common::{
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_routing::suite::{self, Case, Interface};
-use moe_routing::testing::{bf16_to_f64, random_grad, to_f64, Inputs, Rng};
 use moe_routing::{BackwardOptions, Precision, Router, Routing, Scores};
+use moe_routing_dev::suite::{self, Case, Interface};
+use moe_routing_dev::testing::{bf16_to_f64, random_grad, to_f64, Inputs, Rng};
 
 /// The baseline must match the fused backward this closely (‖a − b‖ / ‖b‖), which it can only
 /// do if the GEMMs' transposes and leading dimensions are right.
@@ -547,7 +547,7 @@ fn unfused_backward(
 ) -> Result<()> {
     use cublas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 
-    moe_routing_baseline::routing_grad_dense(
+    moe_routing_dev::routing_grad_dense(
         router,
         stream,
         tokens,

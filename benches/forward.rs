@@ -36,9 +36,9 @@ use common::{
 use cudarc::cublas::{sys as cublas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
-use moe_routing::suite::{self, Case};
-use moe_routing::testing::{Inputs, Rng};
 use moe_routing::{Router, Routing};
+use moe_routing_dev::suite::{self, Case};
+use moe_routing_dev::testing::{Inputs, Rng};
 
 /// The baseline computes the logits in another summation order, so near ties may order or
 /// pick experts differently: at most this fraction of tokens may differ in indices (a wrong
@@ -318,14 +318,7 @@ fn unfused_forward(
             )?;
         }
     }
-    moe_routing_baseline::route_from_logits(
-        router,
-        stream,
-        tokens,
-        logits,
-        &set.bias,
-        &mut set.out,
-    )?;
+    moe_routing_dev::route_from_logits(router, stream, tokens, logits, &set.bias, &mut set.out)?;
     Ok(())
 }
 

@@ -8,9 +8,9 @@
 use std::time::Instant;
 
 use half::bf16;
-use moe_routing::suite;
-use moe_routing::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
 use moe_routing::{cuda_device_count, reference, BackwardOptions, Router, Routing};
+use moe_routing_dev::suite;
+use moe_routing_dev::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -13,9 +13,6 @@ pub mod config;
 pub mod error;
 pub mod reference;
 pub mod router;
-pub mod suite;
-#[doc(hidden)]
-pub mod testing;
 
 pub use config::RouterConfig;
 pub use error::{Error, Status};

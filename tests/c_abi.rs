@@ -522,7 +522,7 @@ impl Arg {
     /// memory, never device memory, so the device pass always rejects them) and are never
     /// dereferenced.
     fn random(
-        rng: &mut moe_routing::testing::Rng,
+        rng: &mut moe_routing_dev::testing::Rng,
         host: &[u8],
         need: i64,
         align: u64,
@@ -564,7 +564,7 @@ impl Arg {
 /// the device check, so nothing is launched.
 #[test]
 fn random_arguments_get_the_first_error_and_never_launch() {
-    let mut rng = moe_routing::testing::Rng::new(0xA11CE);
+    let mut rng = moe_routing_dev::testing::Rng::new(0xA11CE);
     let c = glm();
     let (h, e, k) = (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok);
     // Without a GPU the device pass cannot start (CUDA error); with one, the fake addresses
@@ -706,28 +706,40 @@ fn checked_device_flags() {
 #[test]
 fn kernel_paths() {
     // MOE_ROUTING_PATH_FORWARD_FUSED | MOE_ROUTING_PATH_BACKWARD_FUSED, per config: the fused
-    // kernels' expert counts (64, 128, 160, 256) and K (forward <= 16, backward <= 8).
+    // kernels' expert counts (cpp/src/fused_kernels.def: 64, 128, 160, 256), K (forward <= 16,
+    // backward <= 8) and H (backward: a multiple of 128 where E has 128-column kernels, else of
+    // 64, at most 256 slices).
     let paths = |c: &Config| {
         let mut p = u32::MAX;
         let status = unsafe { moe_routing_kernel_paths(c, &mut p) };
         (status, p)
     };
-    let cases: [(i64, i64, i64, u32); 5] = [
-        (160, 8, 8, 3),
-        (256, 8, 8, 3),
-        (160, 12, 8, 1), // top-12: the fused forward, the simple backward
-        (384, 8, 1, 0),  // Kimi-K2's 384 experts: both simple
-        (96, 6, 1, 0),
+    let cases: [(i64, i64, i64, i64, u32); 10] = [
+        (160, 8, 8, 5120, 3),
+        (256, 8, 8, 7168, 3),
+        (64, 6, 1, 2048, 3),
+        (128, 8, 8, 4096, 3),
+        (160, 12, 8, 5120, 1), // top-12: the fused forward, the simple backward
+        (160, 8, 8, 5184, 1),  // H % 128 = 64: the 128-column E take the simple backward
+        (256, 8, 8, 5184, 3),  // ... and 256, with 64-column kernels alone, the fused one
+        (256, 8, 8, 64 * 257, 1), // 257 slices
+        (384, 8, 1, 7168, 0),  // Kimi-K2's 384 experts: both simple
+        (96, 6, 1, 5120, 0),
     ];
-    for (e, k, g, want) in cases {
+    for (e, k, g, h, want) in cases {
         let c = Config {
             n_routed_experts: e,
             num_experts_per_tok: k,
             n_group: g,
             topk_group: g.min(4),
+            hidden_size: h,
             ..glm()
         };
-        assert_eq!(paths(&c), (SUCCESS, want), "E {e}, K {k}, groups {g}");
+        assert_eq!(
+            paths(&c),
+            (SUCCESS, want),
+            "E {e}, K {k}, groups {g}, H {h}"
+        );
     }
     let bad = Config {
         n_group: 7,

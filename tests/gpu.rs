@@ -12,12 +12,12 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 use moe_routing::reference;
-use moe_routing::suite::{self, Case};
-use moe_routing::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
 use moe_routing::{
     cuda_device_count, BackwardOptions, ForwardExtras, Precision, Router, RouterConfig, Routing,
     Status,
 };
+use moe_routing_dev::suite::{self, Case};
+use moe_routing_dev::testing::{bf16_to_f64, fresh_seed, random_grad, to_f64, Inputs, Rng};
 
 const GRAD_X_TOL: f64 = 1e-2;
 const GRAD_W_TOL: f64 = 5e-3;

@@ -126,8 +126,8 @@ fn workspace_size_grows_with_tokens_and_is_zero_for_none() {
 /// config is accepted exactly when it satisfies the documented rules.
 #[test]
 fn random_configs_are_accepted_exactly_when_valid() {
-    let mut rng = moe_routing::testing::Rng::new(0x5EED_CAFE);
-    let pick = |rng: &mut moe_routing::testing::Rng, choices: &[usize]| -> usize {
+    let mut rng = moe_routing_dev::testing::Rng::new(0x5EED_CAFE);
+    let pick = |rng: &mut moe_routing_dev::testing::Rng, choices: &[usize]| -> usize {
         choices[rng.below(choices.len())]
     };
     let mut accepted = 0;

@@ -1,6 +1,6 @@
 """Installs a pinned package list of third_party/ from PyPI into the build cache, once, and
-prints the folder (the same folder and key as build.rs's `provision`, so that a cargo build and
-a pip build share it).
+prints the folder. The cargo build (build/toolchain.rs) and the CMake build (CMakeLists.txt)
+both call it, so that they share the folder.
 
     python3 third_party/provision.py cuda-toolchain.txt|cutlass.txt [--no-deps]
 """

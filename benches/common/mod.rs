@@ -20,9 +20,9 @@ use cudarc::driver::sys::{
     CUdeviceptr, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use moe_routing::suite::{self, Case};
-use moe_routing::testing::Rng;
 use moe_routing::{cuda_device_count, RouterConfig};
+use moe_routing_dev::suite::{self, Case};
+use moe_routing_dev::testing::Rng;
 
 pub type Result<T, E = Box<dyn std::error::Error>> = std::result::Result<T, E>;
 
@@ -359,7 +359,7 @@ impl Flush {
     /// Queues the flush on `stream`. Default (write-back) stores: streaming ones would be
     /// evicted first and leave older lines in L2.
     pub fn queue(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
-        moe_routing_baseline::copy(
+        moe_routing_dev::copy(
             stream,
             &self.none,
             &mut self.buf,
@@ -507,9 +507,7 @@ pub fn time_ceiling(
         let (per_sm, load_cs, store_cs) = variant;
         let us = time_single_calls(stream, flush, sets, |i| {
             let (src, dst) = &mut bufs[i % sets];
-            moe_routing_baseline::copy(
-                stream, &*src, dst, reads, writes, per_sm, load_cs, store_cs,
-            )?;
+            moe_routing_dev::copy(stream, &*src, dst, reads, writes, per_sm, load_cs, store_cs)?;
             Ok(())
         })?;
         if us < best.us {

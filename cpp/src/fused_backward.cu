@@ -1,10 +1,13 @@
 // Dispatch of the fused backward: split of the token range over the GPU's SMs.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "fused_backward.h"
+#include "fused_kernels.h"
 #include "launch.h"
 
 namespace moe_routing::detail {
@@ -42,31 +45,38 @@ PlanChoice plan_choice() {
   return choice;
 }
 
-// Expert counts with a 128-column kernel (E = 256 has the 64-column one alone: kRoleSplit). E = 64
-// has the any-K kernels alone.
-constexpr int kWideExperts[] = {64, 128, 160};
-constexpr int kNumWide = int(sizeof(kWideExperts) / sizeof(kWideExperts[0]));
+// The kernels of fused_kernels.def, by row (each defined in its own translation unit).
+using LaunchFn = Status (*)(const RouterConfig&, const BackwardArgs&, int, const BackwardPlan&,
+                            cudaStream_t, uint32_t);
+using ClustersFn = int (*)(int, int);
+template <size_t... I>
+constexpr std::array<LaunchFn, sizeof...(I)> launchers(std::index_sequence<I...>) {
+  return {&launch_fused_backward_e<kFusedBackwardKernels[I].experts,
+                                   kFusedBackwardKernels[I].top_k,
+                                   kFusedBackwardKernels[I].tile_h>...};
+}
+template <size_t... I>
+constexpr std::array<ClustersFn, sizeof...(I)> cluster_queries(std::index_sequence<I...>) {
+  return {&fused_backward_active_clusters<kFusedBackwardKernels[I].experts,
+                                          kFusedBackwardKernels[I].top_k,
+                                          kFusedBackwardKernels[I].tile_h>...};
+}
+constexpr auto kLaunch = launchers(std::make_index_sequence<kNumFusedBackward>{});
+constexpr auto kActiveClusters = cluster_queries(std::make_index_sequence<kNumFusedBackward>{});
 
-// The index of E in kWideExperts, kNumWide where it has no 128-column kernel.
-int wide_index(int64_t experts) { return index_in(kWideExperts, experts); }
-
-// Clusters of k CTAs (k = 2..8) of the 128-column kernel for E that fit on a device at once,
-// read once per device and E (the kernels' shared memory differs with E).
+// Clusters of k CTAs (k = 2..8) of the 128-column kernel for E that fit on a device at once
+// (K = 8's where E has one: the any-K kernels, like K = 8's, fit one CTA per SM), read once
+// per device and E (the kernels' shared memory differs with E).
 int active_clusters(int device, int64_t experts, int k) {
-  static std::atomic<int> cached[64][kNumWide][9] = {};
-  const int e = wide_index(experts);
-  if (e == kNumWide) return 0;
-  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device][e][k] : nullptr;
+  static std::atomic<int> cached[64][kNumFusedBackward][9] = {};
+  int row = fused_backward_row(experts, 8, 128);
+  if (row < 0) row = fused_backward_row(experts, kAnyTopK, 128);
+  if (row < 0 || k < 0 || k > 8) return 0;
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device][row][k] : nullptr;
   if (slot) {  // 0: not asked yet; -1: none fit
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
-  int n = 0;
-  switch (experts) {  // (the any-K kernels, like K = 8's, fit one CTA per SM)
-    case 64: n = fused_backward_active_clusters<64, kAnyTopK>(k, device); break;
-    case 128: n = fused_backward_active_clusters<128, 8>(k, device); break;
-    case 160: n = fused_backward_active_clusters<160, 8>(k, device); break;
-    default: break;
-  }
+  const int n = kActiveClusters[row](k, device);
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
@@ -114,45 +124,30 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
-// The kernels of one E. K = 8 with 16-byte aligned routing rows in the training dtypes has its
-// own (vector loads); any other K, alignment or dtype takes the any-K ones. E = 64 has the any-K
-// kernels alone, E = 256 the 64-column ones alone.
-template <int kExperts>
-Status launch_passes_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                       const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
-  constexpr bool kHasK8 = kExperts != 64, kHasWide = kExperts != 256;
-  constexpr int kK8 = kHasK8 ? 8 : kAnyTopK;
-  const bool k8 =
-      kHasK8 && cfg.num_experts_per_tok == 8 && routing_rows_aligned16(a) && training_dtypes(a);
-  if (pl.tile_h == 64)
-    return k8 ? launch_fused_backward_e<kExperts, kK8, 64>(cfg, a, device, pl, stream, passes)
-              : launch_fused_backward_e<kExperts, kAnyTopK, 64>(cfg, a, device, pl, stream, passes);
-  if constexpr (kHasWide)
-    return k8 ? launch_fused_backward_e<kExperts, kK8, 128>(cfg, a, device, pl, stream, passes)
-              : launch_fused_backward_e<kExperts, kAnyTopK, 128>(cfg, a, device, pl, stream, passes);
-  return Status::kUnsupported;
-}
-
+// The kernel of E for the plan's slice width: K = 8 with 16-byte aligned routing rows in the
+// training dtypes has its own where E has one (vector loads); any other K, alignment or dtype
+// takes the any-K one.
 Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
                      const BackwardPlan& pl, cudaStream_t stream, uint32_t passes) {
-  switch (cfg.n_routed_experts) {
-    case 64: return launch_passes_e<64>(cfg, a, device, pl, stream, passes);
-    case 128: return launch_passes_e<128>(cfg, a, device, pl, stream, passes);
-    case 160: return launch_passes_e<160>(cfg, a, device, pl, stream, passes);
-    case 256: return launch_passes_e<256>(cfg, a, device, pl, stream, passes);
-    default: return Status::kUnsupported;
-  }
+  const int64_t e = cfg.n_routed_experts;
+  const bool k8 = cfg.num_experts_per_tok == 8 && fused_backward_row(e, 8, pl.tile_h) >= 0 &&
+                  routing_rows_aligned16(a) && training_dtypes(a);
+  const int row = fused_backward_row(e, k8 ? 8 : kAnyTopK, pl.tile_h);
+  if (row < 0) return Status::kUnsupported;
+  return kLaunch[row](cfg, a, device, pl, stream, passes);
 }
 
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
-  // K up to 8 (K = 8 with aligned routing rows has kernels of its own; launch_passes_e).
+  // K up to 8 (K = 8 with aligned routing rows has kernels of its own where E does:
+  // launch_passes).
   if (cfg.num_experts_per_tok < 1 || cfg.num_experts_per_tok > 8) return false;
-  // 64, 128 and 160 experts: 128-column slices, or 64-column ones at small T.
-  if (wide_index(cfg.n_routed_experts) < kNumWide) return cfg.hidden_size % kTileH == 0;
-  // 256 experts (DeepSeek-V3): 64-column slices, one CTA each, at every T.
-  return cfg.n_routed_experts == 256 && cfg.hidden_size % 64 == 0 &&
+  // E with 128-column kernels (64, 128, 160): 128-column slices, or 64-column ones at small T.
+  if (has_fused_backward(cfg.n_routed_experts, 128)) return cfg.hidden_size % kTileH == 0;
+  // E with 64-column kernels alone (256, DeepSeek-V3): 64-column slices, one CTA each, at
+  // every T.
+  return has_fused_backward(cfg.n_routed_experts, 64) && cfg.hidden_size % 64 == 0 &&
          cfg.hidden_size / 64 <= kMaxCounterSlices;
 }
 
@@ -180,7 +175,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   if (!fused_backward_supported(cfg)) return Status::kUnsupported;
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl =
-      wide_index(cfg.n_routed_experts) < kNumWide
+      has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device)
           : BackwardPlan{int(cfg.hidden_size / 64), 1, GradWSum::kLastCta, 64};
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;

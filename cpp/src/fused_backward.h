@@ -86,7 +86,8 @@ struct BackwardPlan {
   }
 };
 
-// One instantiation per (expert count, top-k, slice width), each in its own translation unit.
+// One instantiation per row of fused_kernels.def (expert count, top-k, slice width), each in its
+// own translation unit (instances/fused_backward.cu).
 // kTopK: K = 8 (routing rows 16-byte aligned), or kAnyTopK: any K from 1 to 8.
 // passes: the kernel's sweeps (kernel_sm90.cuh: kPassG, kPassResidual, or both, which needs one
 // segment per CTA: BackwardPlan::one_segment_per_cta).
@@ -95,8 +96,9 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& args
                                const BackwardPlan& plan, cudaStream_t stream,
                                uint32_t passes = kernels::fused_backward::kPassG);
 
-// Clusters of `cluster` CTAs that fit on the device at once (0 where none or on error).
-template <int kExperts, int kTopK>
+// Clusters of `cluster` CTAs that fit on the device at once (0 where none, on error, or for
+// 64-column kernels, which take no clusters).
+template <int kExperts, int kTopK, int kTileH>
 int fused_backward_active_clusters(int cluster, int device);
 
 }  // namespace moe_routing::detail

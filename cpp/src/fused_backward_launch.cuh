@@ -39,9 +39,12 @@ struct Kernel {
 
 }  // namespace fused_backward_impl
 
-template <int kExperts, int kTopK>
+template <int kExperts, int kTopK, int kTileH>
 int fused_backward_active_clusters(int cluster, int device) {
-  return max_active_clusters<fused_backward_impl::Kernel<kExperts, kTopK, 128>>(cluster, device);
+  if constexpr (kTileH == 64) return 0;  // (one CTA per slice: no clusters)
+  else
+    return max_active_clusters<fused_backward_impl::Kernel<kExperts, kTopK, kTileH>>(cluster,
+                                                                                    device);
 }
 
 template <int kExperts, int kTopK, int kTileH>

@@ -1,10 +1,13 @@
 // Dispatch of the fused forward: the token tile and the cluster size (split of the hidden
 // dimension) per T.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 #include "fused_forward.h"
+#include "fused_kernels.h"
 #include "kernel_paths.h"
 #include "kernels/fused_forward/cluster_sizes.h"
 #include "launch.h"
@@ -46,38 +49,41 @@ constexpr TileCost kTileCosts[] = {
 // A second launch for the last tiles: its start, in eighths.
 constexpr int64_t kTailCost = 16;
 
+// The kernels of fused_kernels.def, by row (each defined in its own translation unit).
+using LaunchFn = Status (*)(const RouterConfig&, const ForwardArgs&, int, const ForwardPlan&,
+                            cudaStream_t);
+using ClustersFn = int (*)(int, int, int);
+template <size_t... I>
+constexpr std::array<LaunchFn, sizeof...(I)> launchers(std::index_sequence<I...>) {
+  return {&launch_fused_forward_e<kFusedForwardKernels[I].experts,
+                                  kFusedForwardKernels[I].tall_tiles>...};
+}
+template <size_t... I>
+constexpr std::array<ClustersFn, sizeof...(I)> cluster_queries(std::index_sequence<I...>) {
+  return {&fused_forward_active_clusters<kFusedForwardKernels[I].experts,
+                                         kFusedForwardKernels[I].tall_tiles>...};
+}
+constexpr auto kLaunch = launchers(std::make_index_sequence<kNumFusedForward>{});
+constexpr auto kActiveClusters = cluster_queries(std::make_index_sequence<kNumFusedForward>{});
+
 // Active clusters per expert count, tile and split size for one device, read once: the split,
 // hence the order of the logit summation, depends only on the device, E and T. (Per E: the
-// kernels differ in shared memory, and 192-token tiles exist for E = 160 alone.)
+// kernels differ in shared memory, and 192-token tiles exist where E has tall tiles alone.)
 constexpr int kNumTiles = int(sizeof(kTileCosts) / sizeof(kTileCosts[0]));
-// E with an instantiation (fused_forward_e*.cu).
-constexpr int64_t kFusedExperts[] = {64, 128, 160, 256};
-constexpr int kNumExperts = int(sizeof(kFusedExperts) / sizeof(kFusedExperts[0]));
 struct Occupancy {
-  std::atomic<int> clusters[kNumExperts][kNumTiles][kNumSplits];
+  std::atomic<int> clusters[kNumFusedForward][kNumTiles][kNumSplits];
 };
-
-// The index of E in kFusedExperts, kNumExperts where it has no fused kernel.
-int experts_index(int64_t experts) { return index_in(kFusedExperts, experts); }
 
 int active_clusters(int device, int which, int64_t experts, int tile) {
   static Occupancy cached[64] = {};
-  const int e = experts_index(experts);
-  std::atomic<int>* slot = device >= 0 && device < 64 && e < kNumExperts
-                               ? &cached[device].clusters[e][tile][which]
-                               : nullptr;
+  const int e = fused_forward_row(experts);
+  if (e < 0) return 0;
+  std::atomic<int>* slot =
+      device >= 0 && device < 64 ? &cached[device].clusters[e][tile][which] : nullptr;
   if (slot) {  // 0: not asked yet; -1: the device has no room for such clusters
     if (int n = slot->load(std::memory_order_relaxed); n != 0) return n > 0 ? n : 0;
   }
-  int n = 0;
-  const int split = kSplits[which], tile_t = kTileCosts[tile].tile_t;
-  switch (experts) {
-    case 64: n = fused_forward_active_clusters<64>(split, tile_t, device); break;
-    case 128: n = fused_forward_active_clusters<128>(split, tile_t, device); break;
-    case 160: n = fused_forward_active_clusters<160>(split, tile_t, device); break;
-    case 256: n = fused_forward_active_clusters<256>(split, tile_t, device); break;
-    default: break;
-  }
+  const int n = kActiveClusters[e](kSplits[which], kTileCosts[tile].tile_t, device);
   if (slot) slot->store(n > 0 ? n : -1, std::memory_order_relaxed);
   return n;
 }
@@ -134,7 +140,7 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
 
 bool fused_forward_config_supported(const RouterConfig& cfg) {
   // The routing epilogue keeps the kept groups in a 32-bit mask.
-  return experts_index(cfg.n_routed_experts) < kNumExperts && cfg.n_group <= 32 &&
+  return fused_forward_row(cfg.n_routed_experts) >= 0 && cfg.n_group <= 32 &&
          cfg.num_experts_per_tok <= 16;
 }
 
@@ -147,14 +153,9 @@ bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
 
 Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int device,
                             cudaStream_t stream) {
-  const ForwardPlan pl = plan(cfg, a.tokens, device);
-  switch (cfg.n_routed_experts) {
-    case 64: return launch_fused_forward_e<64>(cfg, a, device, pl, stream);
-    case 128: return launch_fused_forward_e<128>(cfg, a, device, pl, stream);
-    case 160: return launch_fused_forward_e<160>(cfg, a, device, pl, stream);
-    case 256: return launch_fused_forward_e<256>(cfg, a, device, pl, stream);
-    default: return Status::kUnsupported;
-  }
+  const int row = fused_forward_row(cfg.n_routed_experts);
+  if (row < 0) return Status::kUnsupported;
+  return kLaunch[row](cfg, a, device, plan(cfg, a.tokens, device), stream);
 }
 
 }  // namespace moe_routing::detail

@@ -87,15 +87,11 @@ Status launch(const RouterConfig& cfg, const ForwardArgs& a, int device, const F
 
 }  // namespace fused_forward_impl
 
-// 192-token tiles are built for E = 160 alone (the suite's shape: they fill the SMs at T where
-// 128-token tiles leave some idle).
-template <int kExperts>
-constexpr bool kTallTiles = kExperts == 160;
-
-template <int kExperts>
+// kTallTiles: 192-token tiles too (fused_kernels.def).
+template <int kExperts, bool kTallTiles>
 int fused_forward_active_clusters(int split, int tile_t, int device) {
   using namespace fused_forward_impl;
-  if constexpr (kTallTiles<kExperts>) {
+  if constexpr (kTallTiles) {
     if (tile_t == 192) return max_active_clusters<Kernel<kExperts, 192>>(split, device);
   }
   if (tile_t != 64 && tile_t != 128) return 0;
@@ -103,13 +99,13 @@ int fused_forward_active_clusters(int split, int tile_t, int device) {
                       : max_active_clusters<Kernel<kExperts, 128>>(split, device);
 }
 
-template <int kExperts>
+template <int kExperts, bool kTallTiles>
 Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int device,
                               const ForwardPlan& plan, cudaStream_t stream) {
   using namespace fused_forward_impl;
   if (plan.tile_t == 64) return launch<kExperts, 64>(cfg, a, device, plan, stream);
   if (plan.tile_t == 128) return launch<kExperts, 128>(cfg, a, device, plan, stream);
-  if constexpr (kTallTiles<kExperts>) {
+  if constexpr (kTallTiles) {
     if (plan.tile_t == 192) return launch<kExperts, 192>(cfg, a, device, plan, stream);
   }
   return Status::kUnsupported;

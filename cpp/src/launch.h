@@ -43,15 +43,6 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The index of `value` in `list` (e.g. the expert counts with an instantiation), N where it is
-// absent.
-template <class T, int N>
-int index_in(const T (&list)[N], int64_t value) {
-  int i = 0;
-  while (i < N && int64_t(list[i]) != value) ++i;
-  return i;
-}
-
 // Launch attribute of the fused kernels: they may start while the stream's previous kernel is
 // still running, and wait for it on the device before touching global memory
 // (kernels/dependent_launch.cuh).

@@ -277,7 +277,7 @@ def load() -> ctypes.CDLL:
             tried = "\n  ".join(str(p) for p in candidate_paths())
             raise LibraryError(
                 f"{LIB_NAME} not found. Tried:\n  {tried}\n"
-                f"Build it with `cargo build --release` in the moe-routing repository, then "
+                f"Build it with `cargo xtask package` in the moe-routing repository, then "
                 f"set {ENV_VAR}=/path/to/target/release/moe_routing/lib/{LIB_NAME} or copy it "
                 f"to {_package_dir() / 'lib' / LIB_NAME}."
             )

@@ -26,7 +26,7 @@ HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability(0) =
 
 needs_lib = pytest.mark.skipif(
     not HAS_LIB,
-    reason="libmoe_routing.so not found (cargo build --release, or set MOE_ROUTING_LIB)",
+    reason="libmoe_routing.so not found (cargo xtask package, or set MOE_ROUTING_LIB)",
 )
 needs_gpu = pytest.mark.skipif(
     not (HAS_LIB and HAS_HOPPER),

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
     for (int tile : {128, 64, 192})
       for (int split : kernels::fused_forward::kClusterSizes)
         printf("fwd tile %d split %d: %d clusters at once\n", tile, split,
-               detail::fused_forward_active_clusters<160>(split, tile, 0));
+               detail::fused_forward_active_clusters<160, true>(split, tile, 0));
     return 0;
   }
   if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT] | occupancy\n"); return 2; }
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
       f.topk_scores = {sc[s], int64_t(T * K)};
       detail::ForwardPlan pl;
       pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
-      if (detail::launch_fused_forward_e<160>(cfg, f, 0, pl, st) != Status::kSuccess) {
+      if (detail::launch_fused_forward_e<160, true>(cfg, f, 0, pl, st) != Status::kSuccess) {
         printf("forward failed\n");
         return 1;
       }
@@ -201,7 +201,7 @@ int main(int argc, char** argv) {
       pl.split = split;
       pl.tiles = argc > 5 ? atoll(argv[4]) : tiles;
       pl.tail_split = argc > 5 ? atoi(argv[5]) : 0;
-      return int(detail::launch_fused_forward_e<160>(cfg, a, 0, pl, st));
+      return int(detail::launch_fused_forward_e<160, true>(cfg, a, 0, pl, st));
     }
   };
   for (int s = 0; s < sets; ++s) {
@@ -219,7 +219,7 @@ int main(int argc, char** argv) {
     CK(cudaMemset(idx[0], 0xff, T * K * 4)); CK(cudaMemset(ow[0], 0xff, T * K * 4));
     const ForwardArgs f = forward_args(0);
     detail::ForwardPlan pl; pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
-    if (detail::launch_fused_forward_e<160>(cfg, f, 0, pl, st) != Status::kSuccess) { printf("forward failed\n"); return 1; }
+    if (detail::launch_fused_forward_e<160, true>(cfg, f, 0, pl, st) != Status::kSuccess) { printf("forward failed\n"); return 1; }
     CK(cudaStreamSynchronize(st));
     CK(cudaMemcpy(i2.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(w2.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use moe_routing::reference::{self, BackwardOutput};
-use moe_routing::suite::{self, Case};
-use moe_routing::testing::{bf16_to_f64, fresh_seed, random_grad, Inputs, Rng};
 use moe_routing::{BackwardOptions, FloatElem, IndexElem, Precision, Router, RouterConfig, Scores};
+use moe_routing_dev::suite::{self, Case};
+use moe_routing_dev::testing::{bf16_to_f64, fresh_seed, random_grad, Inputs, Rng};
 
 use super::{
     download, gpu_forward, poisoned, upload, Grads, GRAD_W_TOL, GRAD_X_TOL, PRECISE_GRAD_W_TOL,

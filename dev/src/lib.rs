@@ -1,7 +1,14 @@
-//! The unfused baselines that the benches time the library against, and the copy behind each
-//! case's ceiling: the composition's non-GEMM steps as a framework runs them around library
-//! GEMMs (cuBLAS, from the benches), and bytes moved with no compute. A dev-dependency of
-//! `moe-routing` (its benches), not part of the library or of its packages.
+//! What the tests, benches and examples of `moe-routing` share, outside the library and its
+//! packages (a dev-dependency, not published):
+//!
+//! - [`suite`]: the benchmark suites' reader (`benches/shapes/`);
+//! - [`testing`]: random inputs, reproducible from a printed seed;
+//! - the unfused baselines that the benches time the library against, and the copy behind each
+//!   case's ceiling: the composition's non-GEMM steps as a framework runs them around library
+//!   GEMMs (cuBLAS, from the benches), and bytes moved with no compute.
+
+pub mod suite;
+pub mod testing;
 
 use std::sync::Arc;
 

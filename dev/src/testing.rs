@@ -1,9 +1,8 @@
 //! Random inputs and small helpers shared by the tests, benches and examples.
-//! Not part of the stable API.
 
 use half::bf16;
 
-use crate::config::RouterConfig;
+use moe_routing::RouterConfig;
 
 /// splitmix64: small, fast, reproducible from a printed seed.
 #[derive(Clone, Debug)]

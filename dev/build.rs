@@ -47,7 +47,7 @@ fn main() {
     }
     let status = nvcc.status().expect("failed to run nvcc");
     assert!(status.success(), "nvcc failed on cpp/baseline.cu");
-    let lib = out.join("libmoe_routing_baseline.a");
+    let lib = out.join("libmoe_routing_dev.a");
     let _ = std::fs::remove_file(&lib);
     let status = Command::new("ar")
         .arg("crs")
@@ -65,8 +65,8 @@ fn main() {
         .include(cuda.join("include"))
         .std("c++17")
         .flag_if_supported("-Wno-unused-parameter")
-        .compile("moe_routing_baseline_bridge");
+        .compile("moe_routing_dev_bridge");
     // Before the library's archive, whose symbols the baselines use.
     println!("cargo:rustc-link-search=native={}", out.display());
-    println!("cargo:rustc-link-lib=static=moe_routing_baseline");
+    println!("cargo:rustc-link-lib=static=moe_routing_dev");
 }

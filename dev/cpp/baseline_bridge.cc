@@ -2,7 +2,7 @@
 
 #include "baseline.h"
 #include "bridge/common.h"
-#include "moe-routing-baseline/src/lib.rs.h"
+#include "moe-routing-dev/src/lib.rs.h"
 
 #include <string>
 

@@ -1,7 +1,0 @@
-// The fused backward for 160 experts (GLM-4.5), 64-column slices (small T).
-#include "fused_backward_launch.cuh"
-
-namespace moe_routing::detail {
-template Status launch_fused_backward_e<160, 8, 64>(const RouterConfig&, const BackwardArgs&,
-                                                    int, const BackwardPlan&, cudaStream_t, uint32_t);
-}  // namespace moe_routing::detail
