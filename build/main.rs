@@ -68,7 +68,8 @@ fn main() {
 
     // What `cargo xtask package` lays the C/C++ package out from.
     let mut inputs = format!(
-        "cuda_include={}\ncudart_static={}\n",
+        "version={}\ncuda_include={}\ncudart_static={}\n",
+        env::var("CARGO_PKG_VERSION").unwrap(),
         cuda.include().display(),
         cuda.cudart_static().display()
     );

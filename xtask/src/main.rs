@@ -48,6 +48,8 @@ type Result<T> = std::result::Result<T, String>;
 /// What the library's build script lists in `OUT_DIR/package.txt`.
 struct Inputs {
     out: PathBuf,
+    /// The crate's, which the build checked the headers declare.
+    version: String,
     cuda_include: String,
     cudart_static: PathBuf,
     objects: Vec<PathBuf>,
@@ -59,7 +61,6 @@ fn package(release: bool) -> Result<PathBuf> {
         .unwrap()
         .to_path_buf();
     let inputs = build(&root, release)?;
-    let version = header_version(&root)?;
 
     // OUT_DIR is <target>/<profile>/build/moe-routing-<hash>/out.
     let pkg = inputs
@@ -133,7 +134,7 @@ fn package(release: bool) -> Result<PathBuf> {
         let text = std::fs::read_to_string(&template)
             .map_err(|e| format!("{}: {e}", template.display()))?;
         let text = text
-            .replace("@VERSION@", &version)
+            .replace("@VERSION@", &inputs.version)
             .replace("@CUDA_INCLUDE@", &inputs.cuda_include);
         write(&dst, &text)
     };
@@ -186,12 +187,14 @@ fn build(root: &Path, release: bool) -> Result<Inputs> {
         .map_err(|e| format!("{}: {e}", out.join("package.txt").display()))?;
     let mut inputs = Inputs {
         out,
+        version: String::new(),
         cuda_include: String::new(),
         cudart_static: PathBuf::new(),
         objects: Vec::new(),
     };
     for line in list.lines() {
         match line.split_once('=') {
+            Some(("version", v)) => inputs.version = v.into(),
             Some(("cuda_include", v)) => inputs.cuda_include = v.into(),
             Some(("cudart_static", v)) => inputs.cudart_static = v.into(),
             Some(("object", v)) => inputs.objects.push(v.into()),
@@ -207,16 +210,6 @@ fn json_string(line: &str, key: &str) -> Option<String> {
     let len = line[start..].find('"')?;
     let value = &line[start..start + len];
     (!value.contains('\\')).then(|| value.to_string())
-}
-
-/// MOE_ROUTING_VERSION_STRING of moe_routing.h (the build checks it equals the crate's).
-fn header_version(root: &Path) -> Result<String> {
-    let header = root.join("cpp/include/moe_routing/moe_routing.h");
-    let text = std::fs::read_to_string(&header).map_err(io)?;
-    text.lines()
-        .find_map(|l| l.strip_prefix("#define MOE_ROUTING_VERSION_STRING "))
-        .map(|v| v.trim().trim_matches('"').to_string())
-        .ok_or_else(|| format!("no MOE_ROUTING_VERSION_STRING in {}", header.display()))
 }
 
 fn io(e: std::io::Error) -> String {
