@@ -58,6 +58,7 @@ pub(crate) mod ffi {
         include!("bridge/bridge.h");
 
         fn validate_config(cfg: &Config) -> i32;
+        fn kernel_paths(cfg: &Config, forward_fused: &mut bool, backward_fused: &mut bool) -> i32;
         fn backward_workspace_bytes(cfg: &Config, tokens: i64) -> u64;
         unsafe fn router_forward(cfg: &Config, bufs: &ForwardBuffers, stream: u64) -> i32;
         unsafe fn router_backward(cfg: &Config, bufs: &BackwardBuffers, stream: u64) -> i32;

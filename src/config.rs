@@ -3,6 +3,15 @@
 use crate::bridge::ffi;
 use crate::error::{Error, Status};
 
+/// Which kernels a config takes ([`RouterConfig::kernel_paths`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelPaths {
+    /// The fused forward (else the simple one).
+    pub forward_fused: bool,
+    /// The fused backward (else the simple one).
+    pub backward_fused: bool,
+}
+
 /// Shape and semantics of one grouped top-k router.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RouterConfig {
@@ -49,6 +58,25 @@ impl RouterConfig {
     pub fn validate(&self) -> Result<(), Error> {
         let status = ffi::validate_config(&self.to_ffi()?);
         Status::from_code(status).into_result(|| format!("{self:?}"))
+    }
+
+    /// Which kernels this config takes (validated first): the fused ones, or the simple
+    /// CUDA-core ones, which are far slower. The fused forward also needs 16-byte aligned x and
+    /// w, as allocators give. Needs no GPU.
+    ///
+    /// ```
+    /// use moe_routing::RouterConfig;
+    /// let paths = RouterConfig::glm45(8, 4).kernel_paths().unwrap();
+    /// assert!(paths.forward_fused && paths.backward_fused);
+    /// ```
+    pub fn kernel_paths(&self) -> Result<KernelPaths, Error> {
+        let (mut forward_fused, mut backward_fused) = (false, false);
+        let status = ffi::kernel_paths(&self.to_ffi()?, &mut forward_fused, &mut backward_fused);
+        Status::from_code(status).into_result(|| format!("{self:?}"))?;
+        Ok(KernelPaths {
+            forward_fused,
+            backward_fused,
+        })
     }
 
     pub(crate) fn to_ffi(self) -> Result<ffi::Config, Error> {

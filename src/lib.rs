@@ -14,7 +14,7 @@ pub mod error;
 pub mod reference;
 pub mod router;
 
-pub use config::RouterConfig;
+pub use config::{KernelPaths, RouterConfig};
 pub use error::{Error, Status};
 pub use router::{
     cuda_device_count, BackwardOptions, Dtype, FloatElem, ForwardExtras, IndexElem, Precision,

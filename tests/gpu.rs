@@ -72,6 +72,10 @@ fn main() {
             "backward_unaligned_routing_rows",
             backward::backward_unaligned_routing_rows,
         ),
+        (
+            "fused_kernels_of_every_expert_count",
+            backward::fused_kernels_of_every_expert_count,
+        ),
         ("backward_dtypes_small", dtypes::backward_dtypes_small),
         ("zero_tokens", api::zero_tokens),
         (

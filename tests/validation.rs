@@ -106,6 +106,35 @@ fn bad_configs_are_rejected_with_a_typed_error() {
 }
 
 #[test]
+fn kernel_paths_say_which_kernels_a_config_takes() {
+    let paths = |cfg: RouterConfig| {
+        let p = cfg.kernel_paths().unwrap();
+        (p.forward_fused, p.backward_fused)
+    };
+    assert_eq!(paths(glm()), (true, true));
+    // Top-12: the fused forward, the simple backward (K <= 8).
+    let top12 = RouterConfig {
+        num_experts_per_tok: 12,
+        ..glm()
+    };
+    assert_eq!(paths(top12), (true, false));
+    // Kimi-K2's 384 experts: both simple.
+    let kimi_k2 = RouterConfig {
+        hidden_size: 7168,
+        n_routed_experts: 384,
+        n_group: 1,
+        topk_group: 1,
+        ..glm()
+    };
+    assert_eq!(paths(kimi_k2), (false, false));
+    let bad = RouterConfig {
+        n_group: 7,
+        ..glm()
+    };
+    assert_eq!(bad.kernel_paths().unwrap_err().kind, Status::InvalidConfig);
+}
+
+#[test]
 fn huge_fields_do_not_overflow() {
     let bad = RouterConfig {
         hidden_size: usize::MAX,

@@ -24,6 +24,14 @@ int32_t validate_config(const Config& cfg) {
   return static_cast<int32_t>(moe_routing::validate_config(to_config(cfg)));
 }
 
+int32_t kernel_paths(const Config& cfg, bool& forward_fused, bool& backward_fused) {
+  KernelPaths k;
+  const Status s = moe_routing::kernel_paths(to_config(cfg), &k);
+  forward_fused = k.forward_fused;
+  backward_fused = k.backward_fused;
+  return static_cast<int32_t>(s);
+}
+
 uint64_t backward_workspace_bytes(const Config& cfg, int64_t tokens) {
   return moe_routing::backward_workspace_bytes(to_config(cfg), tokens);
 }

@@ -4,8 +4,6 @@
 #include <exception>
 #include <type_traits>
 
-#include "fused_backward.h"
-#include "kernel_paths.h"
 #include "launch.h"
 #include "moe_routing/moe_routing.h"
 #include "moe_routing/router.h"
@@ -202,12 +200,10 @@ int32_t moe_routing_kernel_paths(const moe_routing_config* config, uint32_t* pat
     if (paths == nullptr) return code(Status::kNullPointer);
     moe_routing::RouterConfig cfg;
     if (Status s = to_config(config, &cfg); s != Status::kSuccess) return code(s);
-    if (Status s = moe_routing::validate_config(cfg); s != Status::kSuccess) return code(s);
-    *paths = (moe_routing::detail::fused_forward_config_supported(cfg)
-                  ? MOE_ROUTING_PATH_FORWARD_FUSED
-                  : 0u) |
-             (moe_routing::detail::fused_backward_supported(cfg) ? MOE_ROUTING_PATH_BACKWARD_FUSED
-                                                                 : 0u);
+    moe_routing::KernelPaths k;
+    if (Status s = moe_routing::kernel_paths(cfg, &k); s != Status::kSuccess) return code(s);
+    *paths = (k.forward_fused ? MOE_ROUTING_PATH_FORWARD_FUSED : 0u) |
+             (k.backward_fused ? MOE_ROUTING_PATH_BACKWARD_FUSED : 0u);
     return code(Status::kSuccess);
   } catch (const std::exception& e) {
     return code(moe_routing::detail::exception_error(e.what()));

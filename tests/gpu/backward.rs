@@ -258,3 +258,43 @@ pub(super) fn suite_backward(s: &Arc<CudaStream>) {
         );
     }
 }
+
+/// Every expert count that has fused kernels (`RouterConfig::kernel_paths`, which reads the
+/// library's table of kernels, cpp/src/fused_kernels.def), at K = 8 and K = 6: the forward and
+/// the backward against the reference, so that a row added to the table is tested with no test
+/// of its own.
+pub(super) fn fused_kernels_of_every_expert_count(s: &Arc<CudaStream>) {
+    let tokens = 300;
+    let (mut forward, mut backward) = (0, 0);
+    for experts in (16..=512).step_by(16) {
+        for top_k in [8, 6] {
+            let cfg = RouterConfig {
+                hidden_size: 1024,
+                n_routed_experts: experts,
+                num_experts_per_tok: top_k,
+                n_group: 1,
+                topk_group: 1,
+                routed_scaling_factor: 2.5,
+                norm_topk_prob: true,
+            };
+            let paths = cfg.kernel_paths().unwrap();
+            let seed = fresh_seed() ^ ((experts * 16 + top_k) as u64) << 16;
+            if paths.forward_fused {
+                let router = Router::new(cfg).unwrap();
+                let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+                let fwd = gpu_forward(s, &router, tokens, &inp);
+                let label = format!("{cfg:?} T={tokens} seed {seed}");
+                check_forward(&cfg, tokens, &inp, &fwd, &label);
+                forward += 1;
+            }
+            if paths.backward_fused {
+                check_fused_case(s, &cfg, tokens, seed);
+                backward += 1;
+            }
+        }
+    }
+    println!("  fused shapes checked: forward {forward}, backward {backward}");
+    let glm45 = RouterConfig::glm45(1, 1).kernel_paths().unwrap();
+    assert!(glm45.forward_fused && glm45.backward_fused, "{glm45:?}");
+    assert!(forward > 0 && backward > 0);
+}

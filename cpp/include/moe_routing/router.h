@@ -160,6 +160,15 @@ struct BackwardArgs {
 // Checks the config alone.
 Status validate_config(const RouterConfig& cfg);
 
+// Which kernels a (valid) config takes: the fused ones, or the simple CUDA-core ones, which are
+// far slower. The fused forward also needs 16-byte aligned x and w, as allocators give. Needs
+// no GPU.
+struct KernelPaths {
+  bool forward_fused = false;
+  bool backward_fused = false;
+};
+Status kernel_paths(const RouterConfig& cfg, KernelPaths* paths);
+
 // Bytes of device workspace the backward needs for `tokens` tokens.
 size_t backward_workspace_bytes(const RouterConfig& cfg, int64_t tokens);
 
