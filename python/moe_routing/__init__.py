@@ -33,7 +33,7 @@ from ._lib import (
 )
 from ._lib import load as load_library
 from .module import GroupedTopKRouter, replace_hf_routers
-from .ops import check_config, route, route_backward, route_with_stats
+from .ops import check_config, kernel_paths, route, route_backward, route_with_stats
 from .training import route_with_indices, update_expert_bias
 from .adapters import MegatronTopKRouter, TokenChoiceTopKRouter
 
@@ -51,6 +51,7 @@ __all__ = [
     "candidate_paths",
     "check_config",
     "find_library",
+    "kernel_paths",
     "library_path",
     "load_library",
     "reference",

@@ -345,15 +345,12 @@ def _log_kernel_paths(*config) -> None:
     nothing where the library is not there (CPU-only use)."""
     from . import _lib
 
-    try:
-        paths = _lib.kernel_paths(_lib.make_config(*config))
-    except (_lib.LibraryError, _lib.MoeRoutingError, OSError):
-        return
-    if paths is None:
-        return
     h, e, k, n_group, topk_group = config[:5]
-    fwd = "fused" if paths & _lib.PATH_FORWARD_FUSED else "simple"
-    bwd = "fused" if paths & _lib.PATH_BACKWARD_FUSED else "simple"
+    try:
+        paths = ops.kernel_paths(h, e, k, n_group, topk_group)
+    except (_lib.LibraryError, _lib.MoeRoutingError, OSError, ValueError):
+        return
+    fwd, bwd = paths["forward"], paths["backward"]
     text = (f"H={h}, E={e}, top-{k}, groups {topk_group} of {n_group}: forward {fwd}, "
             f"backward {bwd}")
     if fwd == bwd == "fused":

@@ -172,6 +172,30 @@ def check_config(
         raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
 
 
+
+def kernel_paths(
+    hidden_size: int,
+    n_routed_experts: int,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> Dict[str, str]:
+    """Which kernels a router config takes: ``{"forward": "fused" | "simple", "backward": ...}``.
+
+    The simple CUDA-core kernels are far slower than the fused ones (the README's supported
+    shapes). Needs the library (``moe_routing_kernel_paths``), not a GPU. Raises ValueError for
+    an invalid config, :class:`moe_routing.LibraryError` without the library.
+    """
+    check_config(hidden_size, n_routed_experts, top_k, n_group, topk_group, 1.0)
+    bits = _lib.kernel_paths(
+        _lib.make_config(hidden_size, n_routed_experts, top_k, n_group, topk_group, 1.0, True))
+    if bits is None:
+        raise _lib.LibraryError("the moe_routing library predates moe_routing_kernel_paths")
+    return {
+        "forward": "fused" if bits & _lib.PATH_FORWARD_FUSED else "simple",
+        "backward": "fused" if bits & _lib.PATH_BACKWARD_FUSED else "simple",
+    }
+
 def _shape(t: Tensor) -> Tuple[int, ...]:
     return tuple(t.shape)
 

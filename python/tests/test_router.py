@@ -902,3 +902,17 @@ def test_kernel_paths_are_logged(caplog):
     assert "far slower" in said[0][1]
     assert "E=160, top-8, groups 4 of 8: forward fused, backward fused" in said[1][1]
     module._log_kernel_paths.cache_clear()
+
+
+@needs_lib
+def test_kernel_paths_say_which_kernels_a_config_takes():
+    if _lib.kernel_paths(_lib.make_config(5120, 160, 8, 8, 4, 2.5, True)) is None:
+        pytest.skip("the library predates moe_routing_kernel_paths")
+    fused = {"forward": "fused", "backward": "fused"}
+    assert moe_routing.kernel_paths(5120, 160, 8, 8, 4) == fused
+    assert moe_routing.kernel_paths(7168, 256, 8, 8, 4) == fused  # DeepSeek-V3
+    # Top-12: the fused forward, the simple backward (K <= 8); Kimi-K2's 384 experts: both simple.
+    assert moe_routing.kernel_paths(5120, 160, 12) == {"forward": "fused", "backward": "simple"}
+    assert moe_routing.kernel_paths(7168, 384, 8) == {"forward": "simple", "backward": "simple"}
+    with pytest.raises(ValueError, match="n_group"):
+        moe_routing.kernel_paths(5120, 160, 8, 7, 4)
