@@ -56,12 +56,8 @@ def config_args(m):
 
 
 def paths(lib, m):
-    bits = lib.kernel_paths(lib.make_config(*config_args(m)))
-    if bits is None:
-        return "unknown", "unknown"
-    fwd = "fused" if bits & lib.PATH_FORWARD_FUSED else "simple"
-    bwd = "fused" if bits & lib.PATH_BACKWARD_FUSED else "simple"
-    return fwd, bwd
+    names = lib.kernel_path_names(lib.make_config(*config_args(m)))
+    return (names["forward"], names["backward"]) if names else ("unknown", "unknown")
 
 
 def pass_bytes(m, t):

@@ -370,6 +370,18 @@ def kernel_paths(cfg: MoeRoutingConfig) -> Optional[int]:
     return int(paths.value)
 
 
+def kernel_path_names(cfg: MoeRoutingConfig) -> Optional[dict]:
+    """:func:`kernel_paths` as ``{"forward": "fused" | "simple", "backward": ...}``; None where
+    the library predates that call."""
+    bits = kernel_paths(cfg)
+    if bits is None:
+        return None
+    return {
+        "forward": "fused" if bits & PATH_FORWARD_FUSED else "simple",
+        "backward": "fused" if bits & PATH_BACKWARD_FUSED else "simple",
+    }
+
+
 def validate_config(cfg: MoeRoutingConfig) -> int:
     return int(load().moe_routing_validate_config(ctypes.byref(cfg)))
 

@@ -187,14 +187,11 @@ def kernel_paths(
     an invalid config, :class:`moe_routing.LibraryError` without the library.
     """
     check_config(hidden_size, n_routed_experts, top_k, n_group, topk_group, 1.0)
-    bits = _lib.kernel_paths(
+    names = _lib.kernel_path_names(
         _lib.make_config(hidden_size, n_routed_experts, top_k, n_group, topk_group, 1.0, True))
-    if bits is None:
+    if names is None:
         raise _lib.LibraryError("the moe_routing library predates moe_routing_kernel_paths")
-    return {
-        "forward": "fused" if bits & _lib.PATH_FORWARD_FUSED else "simple",
-        "backward": "fused" if bits & _lib.PATH_BACKWARD_FUSED else "simple",
-    }
+    return names
 
 def _shape(t: Tensor) -> Tuple[int, ...]:
     return tuple(t.shape)
