@@ -43,10 +43,11 @@ def make_inputs(tokens):
 
 
 def host_us(call, n=400, rounds=5):
-    """Host µs per call: the median of `rounds` loops of `n` calls, each loop queued behind a
-    GPU spin long enough that the loop never waits on the GPU. (With the GPU free, a loop whose
-    calls take longer on the GPU than on the host fills the launch queue and then measures the
-    GPU: 2000 calls behind 6 ms of work read 38 µs a native backward call on an H200, 21 µs so.)"""
+    """Host µs per call in each of `rounds` loops of `n` calls, sorted (the median is the
+    figure); each loop is queued behind a GPU spin long enough that it never waits on the GPU.
+    (With the GPU free, a loop whose calls take longer on the GPU than on the host fills the
+    launch queue and then measures the GPU: 2000 calls behind 6 ms of work read 38 µs a native
+    backward call on an H200, 21 µs so.)"""
     cycles = int(2e9 * n * 200e-6)  # 200 µs a call at 2 GHz (longer at lower clocks)
     times = []
     for _ in range(rounds):
@@ -56,7 +57,7 @@ def host_us(call, n=400, rounds=5):
             call()
         times.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
-    return sorted(times)[rounds // 2]
+    return sorted(times)
 
 
 def gpu_ops(call):
@@ -69,10 +70,26 @@ def gpu_ops(call):
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def host_breakdown(call, n=50):
+    """Where a call's host time goes: the profiler's CPU-side events of `n` calls (the op, its
+    PyTorch calls and the CUDA runtime calls beneath), µs per call. The profiler adds its own
+    cost to every event: read these as shares, not as the calls' times."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count / n, e.cpu_time_total / n) for e in prof.key_averages()
+            if e.cpu_time_total > 0 and e.key != "cudaDeviceSynchronize"]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--json")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print the profiler's CPU-side events per call (host_breakdown)")
     opts = ap.parse_args()
     native = moe_ops.native_library_path()
     print(f"ops: {moe_ops.BACKEND}" + (f" ({native})" if native else ""))
@@ -85,14 +102,27 @@ def main():
     torch.cuda.synchronize()
     out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens, ops=moe_ops.BACKEND,
                interface="int64 topk_idx, bf16 scores [T, E], bf16 grad_topk_weights, bf16 grad_w")
+    # For scale, in the same run: one ordinary PyTorch op (an elementwise product of two small
+    # bf16 tensors: one allocation, one kernel), whose host time varies with the machine as ours.
+    reference = lambda: torch.mul(grad, grad)
+    reference()
+    times = host_us(reference)
+    out["host_us_reference_op"] = round(times[len(times) // 2], 2)
+    print(f"{'torch.mul':<8} host {out['host_us_reference_op']:7.1f} us per call (for scale)")
     for name, call in (("forward", forward), ("backward", backward)):
         ops = gpu_ops(call)
-        out[f"host_us_{name}"] = round(host_us(call), 2)
+        times = host_us(call)
+        out[f"host_us_{name}"] = round(times[len(times) // 2], 2)
+        out[f"host_us_{name}_min"] = round(times[0], 2)
         out[f"gpu_ops_{name}"] = len(ops)
         out[f"gpu_op_names_{name}"] = [o[:120] for o in ops]
-        print(f"{name:<8} host {out[f'host_us_{name}']:7.1f} us per call, {len(ops)} GPU op(s)")
+        print(f"{name:<8} host {out[f'host_us_{name}']:7.1f} us per call (fastest loop "
+              f"{times[0]:.1f}), {len(ops)} GPU op(s)")
         for o in ops:
             print(f"    {o[:110]}")
+        if opts.breakdown:
+            for key, count, us in host_breakdown(call)[:12]:
+                print(f"      {us:7.2f} us  x{count:g}  {key[:90]}")
     if opts.json:
         Path(opts.json).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -3,25 +3,24 @@
 //
 // Persistent: one CTA per SM walks its range of units (slice, token tile), see schedule.cuh.
 // Warp roles (three warpgroups):
-//   producer   warpgroup 0: builds G per unit (sparse update of a zeroed tile), one row
-//              per thread; thread 0 also issues the TMA loads of x, ahead of G.
-//   consumers  warpgroups 1, 2 (64 hidden columns each): dgrad from the register-resident
-//              slice of w into registers → bf16 → transposing stores → TMA store of grad_x;
-//              wgrad accumulated in registers over the segment; grad_x is staged while wgrad
-//              runs. (Issuing the next unit's dgrad before waiting for this unit's wgrad makes
-//              ptxas serialize every wgmma: it cannot track the groups across that loop.)
+//   producer   warpgroup 0 (producer.cuh): builds G per unit, one row per thread; thread 0
+//              also issues the TMA loads of x, ahead of G.
+//   consumers  warpgroups 1, 2 (64 hidden columns each; mainloop.cuh): dgrad from the
+//              register-resident slice of w into registers → bf16 → TMA store of grad_x
+//              (grad_x_store.cuh); wgrad accumulated in registers over the segment; grad_x is
+//              staged while wgrad runs. (Issuing the next unit's dgrad before waiting for this
+//              unit's wgrad makes ptxas serialize every wgmma: it cannot track the groups across
+//              that loop.)
 //              kRoleSplit (kTileH = 64): warpgroup 1 computes dgrad and stores grad_x,
 //              warpgroup 2 wgrad, each of whole units.
-// Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
-// wgrad alone, then as above, into the same grad_w accumulators (Params::passes). Where a CTA
-// would have several segments the host launches the two sweeps separately, the second adding
-// into grad_w; one kernel function for both: with two, the pair took ~16 us longer at
-// T = 4096 than the passes alone (cold instructions).
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
-// deterministic, in one of three ways (GradWSum, schedule.cuh): the slice's last CTA sums the
-// partials from global memory; or all k CTAs of the slice each sum a share of them, from
-// global memory (all CTAs resident) or from each other's shared memory (clusters). kTileH = 64
-// runs one CTA per slice only: its wgrad warpgroup's grad_w is written through shared memory.
+// deterministic (grad_w_sum.cuh). kTileH = 64 runs one CTA per slice only: its wgrad
+// warpgroup's grad_w is written through shared memory.
+// Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
+// wgrad alone, then as above, into the same grad_w accumulators (Params::passes, CtaWork).
+// Where a CTA would have several segments the host launches the two sweeps separately, the
+// second adding into grad_w; one kernel function for both: with two, the pair took ~16 us
+// longer at T = 4096 than the passes alone (cold instructions).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,12 +28,16 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
-#include "kernels/cluster.cuh"
 #include "kernels/dependent_launch.cuh"
 #include "kernels/trace.cuh"
 #include "kernels/fused_backward/config.cuh"
+#include "kernels/fused_backward/grad_w_sum.cuh"
+#include "kernels/fused_backward/grad_x_store.cuh"
+#include "kernels/fused_backward/mainloop.cuh"
+#include "kernels/fused_backward/producer.cuh"
 #include "kernels/fused_backward/routing_grad_tile.cuh"
 #include "kernels/fused_backward/schedule.cuh"
+#include "kernels/pipeline.cuh"
 
 namespace moe_routing::kernels::fused_backward {
 
@@ -75,44 +78,12 @@ struct Params {
   bool skew = false;  // Config::kSkew: the consumer warpgroups start out of step (K < 8)
 };
 
-// Adds one to a grad_w counter, release at GPU scope.
-__device__ __forceinline__ void red_release_add(int* counter) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-}
-
-// Reads a grad_w counter, acquire at GPU scope.
-__device__ __forceinline__ int ld_acquire(const int* counter) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-  return v;
-}
-
-// Drops a 128-byte line from L2 without writing it back (its contents become undefined):
-// for partials that no one reads again, which would otherwise go to DRAM when evicted.
-__device__ __forceinline__ void discard_l2_line(const void* line) {
-  asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
-}
-
-// Adds one to a grad_w ticket (acquire and release at GPU scope); returns the old count.
-__device__ __forceinline__ int ticket_acq_rel(int* ticket) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
-  return old;
-}
-
-// Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
-// producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
-enum : uint32_t {
-  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6
-};
-constexpr uint32_t kSpreadBarThreads = 256 + 32;
-
 template <class Cfg, class P>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_constant__ const P p) {
-  using Elem = typename Cfg::Elem;
   using Storage = typename Cfg::SharedStorage;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using Barrier = cutlass::arch::ClusterBarrier;
+  using GRing = Ring<Cfg::kStagesG>;
   constexpr int kTileT = Cfg::kTileT, kTileH = Cfg::kTileH, kExperts = Cfg::kExperts;
   constexpr int kStagesX = Cfg::kStagesX, kStagesG = Cfg::kStagesG;
 
@@ -122,24 +93,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   const int warpgroup = threadIdx.x / 128;
   const int cta = blockIdx.x;
   const LinearSchedule sched = p.sched;
-  const int64_t unit0 = sched.begin(cta);
-  const int count = int(sched.begin(cta + 1) - unit0);
-  // Units of every sweep in order: n = 0 ... total - 1, unit n % count. With both sweeps the
-  // residual's comes first: its small products then build up in accumulators of their own
-  // size. (Added after G's, into accumulators ~2^9 larger, they lost enough bits in the
-  // tensor cores' accumulation to leave grad_w 1.1e-5 off at T = 20000, 3e-6 the other way.)
-  const bool g_pass = (p.passes & kPassG) != 0, res_pass = (p.passes & kPassResidual) != 0;
-  const int total = count * (int(g_pass) + int(res_pass));
-  auto residual_at = [&](int n) { return res_pass && (!g_pass || n < count); };
-  auto rounding_at = [&](int n) {
-    return residual_at(n) ? GradRounding::kResidual
-                          : p.torch_bf16 ? GradRounding::kTorchBf16 : GradRounding::kBf16;
-  };
-  const int tiles = int(sched.tiles);  // < 2^31 / kTileT
-
-  Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
-  Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
-  Tensor sGX = make_tensor(make_smem_ptr(smem.gx), typename Cfg::SmemLayoutGX{});  // (h, t)
+  const CtaWork work(sched, cta, p.passes);
+  const int64_t unit0 = work.unit0;
+  const int count = work.count, total = work.total, tiles = work.tiles;
 
   // G starts all zero; builders then only touch the entries they set.
   {
@@ -177,211 +133,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   if (warpgroup == 0) {
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-    const int thread = threadIdx.x;  // builder of row `thread`; thread 0 also loads x
-    Tensor mX = p.tma_x.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
-    Tensor gX = local_tile(mX, Shape<Int<kTileH>, Int<kTileT>>{},
-                           make_coord(_, _));  // (h, t, slice, tile)
-    auto load_part = tma_partition(p.tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
-                                   group_modes<0, 2>(gX));
-    Tensor tXgX = get<0>(load_part);  // (TMA, slice, tile)
-    Tensor tXsX = get<1>(load_part);  // (TMA, stage)
-    UnitCursor x_unit(unit0, tiles);  // unit of the next x load
-    auto load_x = [&](int n) {  // thread 0, units in order
-      if (n == count) x_unit = UnitCursor(unit0, tiles);  // the second sweep starts over
-      const int s = n % kStagesX;
-      Barrier::wait(&smem.x_empty[s], ((n / kStagesX) & 1) ^ 1);
-      FullBarrier::arrive_and_expect_tx(&smem.x_full[s], Cfg::kXBytes);
-      copy(p.tma_x.with(smem.x_full[s]), tXgX(_, x_unit.slice, x_unit.tile), tXsX(_, s));
-      x_unit.next(tiles);
-    };
-    // Building G(n) waits for unit n - kStagesG to be released; so is then the x stage of
-    // unit n + kAhead: x is issued kAhead + 1 units before it is consumed. (Filling every x
-    // stage at the start, before the routing loads, delayed those loads and so G: the first
-    // unit started 1.5-2 us later.)
-    constexpr int kAhead = kStagesX - kStagesG;
-    static_assert(kAhead >= 1, "x must run ahead of G");
-    if (thread == 0)
-      for (int n = 0; n < kAhead && n < total; ++n) load_x(n);
-    const uint32_t g_stages = cute::cast_smem_ptr_to_uint(smem.g);
-    constexpr uint32_t kGStageBytes = kTileT * kExperts * 2;
-    // The units' G, from routing rows in `format` (RowFormat, routing_grad_tile.cuh): the
-    // fixed-K kernels read kTraining; the any-K kernels kTorch where the inputs allow it, else
-    // kAny (one producer loop per format, chosen once).
-    auto build_units = [&](auto format) {
-      using Routing = TokenRouting<Cfg::kTopK, decltype(format)::value>;
-      constexpr bool kAnyRows = decltype(format)::value == RowFormat::kAny;
-      // Routing inputs are loaded a unit ahead and packed at the end of the previous
-      // iteration: their latency hides behind a whole build, and only the packed row stays live.
-      Routing loaded;
-      UnitCursor g_unit(unit0, tiles);  // unit of the next routing load
-      // Where a CTA has many units, each routing load is preceded by an L1 prefetch of the rows
-      // Cfg::kRoutingPrefetch units further on, so that a load finds its lines in L1 instead of
-      // waiting on L2 beside the x stream (backward v14: faster at T >= 12288, slower at
-      // T <= 4096, where the prefetches delay the start). Not in the 64-column kernels: small
-      // T, and 256 experts at every T, where it made the producer spill and ran slower
-      // (backward "After v16").
-      // (Compact rows are read through L2 alone.)
-      constexpr int kPrefetch =
-          Cfg::kRoleSplit || decltype(format)::value == RowFormat::kCompact ? 0
-                                                                          : Cfg::kRoutingPrefetch;
-      const bool prefetch = count >= Cfg::kRoutingPrefetchMinUnits;  // (read under kPrefetch > 0)
-      const int row_slots = kAnyRows ? p.top_k : Cfg::kTopK;
-      UnitCursor pf_unit(unit0, tiles);  // unit of the next prefetch
-      int pf_next = 0;                   // ... and its index
-      auto prefetch_next = [&] {         // units in order
-        if (pf_next < total) {
-          if (pf_next == count) pf_unit = UnitCursor(unit0, tiles);
-          prefetch_token_routing(p.routing, int64_t(pf_unit.tile) * kTileT + thread, p.tokens,
-                                 row_slots);
-          pf_unit.next(tiles);
-          ++pf_next;
-        }
-      };
-      if constexpr (kPrefetch > 0) {
-        if (prefetch)  // (unit 0's rows too: its load follows at once, and the walk stays simple)
-          for (int i = 0; i < kPrefetch; ++i) prefetch_next();
-      }
-      // Staged indices: each unit's are copied into shared memory, and its score rows fetched
-      // into L2, a unit before its load.
-      UnitCursor stage_unit = g_unit;  // unit of the next staging
-      int stage_next = 0;              // ... and its index
-      auto stage_indices_next = [&](uint32_t after) {  // units in order
-        if constexpr (Routing::kMayStage) {
-          if (stage_next >= total) return;
-          if (stage_next == count) stage_unit = UnitCursor(unit0, tiles);
-          const int64_t t = int64_t(stage_unit.tile) * kTileT + thread;
-          Routing::stage_indices(p.routing, t, p.tokens, p.top_k,
-                                 cute::cast_smem_ptr_to_uint(smem.idx_rows[thread]), after);
-          prefetch_score_row_l2(p.routing, t, p.tokens);
-          stage_unit.next(tiles);
-          ++stage_next;
-        }
-      };
-      auto load_routing = [&](int n) {  // units in order
-        if constexpr (kPrefetch > 0) {
-          if (prefetch) prefetch_next();  // unit n + kPrefetch
-        }
-        if (n == count) g_unit = UnitCursor(unit0, tiles);
-        const int64_t t = int64_t(g_unit.tile) * kTileT + thread;
-        g_unit.next(tiles);
-        if constexpr (Routing::kMayStage) {
-          if (Routing::staged(p.routing)) {
-            if (n == 0) stage_indices_next(0);  // unit 0's, read at once
-            stage_indices_next(loaded.load_staged(p.routing, t, p.tokens, p.top_k,
-                                                  smem.idx_rows[thread]));  // unit n + 1's
-            return;
-          }
-        }
-        if constexpr (decltype(format)::value == RowFormat::kCompact)
-          loaded.load(p.compact, t, p.tokens);
-        else if constexpr (decltype(format)::value != RowFormat::kTorch)
-          loaded.load(p.routing, t, p.tokens, p.top_k);
-      };
-      PackedRow<Cfg::kTopK> row{};
-      if (count > 0) {
-        load_routing(0);
-        row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm, rounding_at(0));
-        MOE_ROUTING_TRACE(thread == 0, 8);
-      }
-      for (int n = 0; n < total; ++n) {
-        const int s = n % kStagesG;
-        if (n + 1 < total) load_routing(n + 1);
-        Barrier::wait(&smem.g_empty[s], ((n / kStagesG) & 1) ^ 1);
-        if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
-        store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
-                                       smem.set_experts[s][thread], row);
-        cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
-        Barrier::arrive(&smem.g_full[s]);
-        MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
-        if (n + 1 < total)
-          row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
-                                                rounding_at(n + 1));
-      }
-    };
-    // Compact rows: the producers of all CTAs first pack every token's G row once (token t by
-    // thread t / ctas % 128 of CTA t % ctas), into global memory; once all CTAs have (a grid
-    // barrier: the grid is at most one CTA per SM, all resident), each unit reads its tile's
-    // packed rows (32 bytes a token) instead of gathering and packing them again, as every one
-    // of the H / kTileH slices' units did: that per-unit gather and packing kept the PyTorch
-    // dtypes 1.6x slower than the training dtypes at T = 1264 (backward v22).
-    auto compact_routing_rows = [&] {
-      if constexpr (Cfg::kAnyK) {
-        const int64_t ctas = gridDim.x;
-        for (int64_t t = cta + ctas * thread; t < p.tokens; t += ctas * kTileT) {
-          TokenRouting<Cfg::kTopK, RowFormat::kTorch> r;
-          r.load_direct(p.routing, t);
-          store_compact_row(p.compact, t,
-                            pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm,
-                                                            rounding_at(0)));
-        }
-        // One release for the CTA (the barrier orders every builder's stores before it); the
-        // last CTA past the wait resets both counters for the next launch.
-        cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
-        if (thread == 0) {
-          int* packed = p.compact_counters;
-          red_release_add(packed);
-          while (ld_acquire(packed) < int(ctas)) {
-          }
-          if (ticket_acq_rel(packed + 1) == int(ctas) - 1) packed[0] = 0, packed[1] = 0;
-        }
-        cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
-      }
-    };
-    using Format = RowFormat;
-    if constexpr (!Cfg::kAnyK && Cfg::kRoleSplit) {
-      // The [T, K] routing arrays are fetched into L2 at once, each CTA its share, so that the
-      // builders' loads, a unit ahead, wait on L2 rather than DRAM (backward v24: 6-8% faster
-      // back to back at T = 1264-4096, up to 3% in single calls; the 128-column kernels were
-      // 0.5-1.5% slower with it, their L1 prefetch already covering the rows).
-      if (thread == 0) {
-        constexpr int64_t kRow = Cfg::kTopK * 4;
-        const int64_t share = ceil_div(ceil_div(p.tokens, int64_t(gridDim.x)) * kRow, 16) * 16;
-        const int64_t begin = share * cta, bytes = p.tokens * kRow;
-        if (begin < bytes) {
-          const void* arrays[3] = {p.routing.idx, p.routing.scores, p.routing.grad};
-          for (const void* a : arrays)
-            SM90_BULK_COPY_G2S::PREFETCH::copy(static_cast<const char*>(a) + begin,
-                                               int32_t(cute::min(share, bytes - begin)));
-        }
-      }
-    }
-    if constexpr (!Cfg::kAnyK) {
-      build_units(std::integral_constant<Format, Format::kTraining>{});
-    } else {
-      if (p.compact != nullptr) {
-        compact_routing_rows();
-        build_units(std::integral_constant<Format, Format::kCompact>{});
-      } else if (torch_rows(p.routing, p.top_k)) {
-        build_units(std::integral_constant<Format, Format::kTorch>{});
-      } else {
-        build_units(std::integral_constant<Format, Format::kAny>{});
-      }
-    }
-    if (p.sum == GradWSum::kCluster) {  // the cluster barriers count every thread of the cluster
-      cluster_arrive_relaxed();
-      cluster_wait();
-      cluster_arrive_relaxed();
-      cluster_wait();
-    }
-    if (p.sum == GradWSum::kSpread && thread < 32) {
-      // The slice's counters, off the consumers' path: once the CTA's partial stores are
-      // issued (barrier), count them (release) and wait until the slice's k partials are all
-      // written (acquire), then let the consumers sum. The last CTA past the wait resets both
-      // counters for the next launch, while the consumers' loads are in flight.
-      const int slice = int(unit0 / tiles), k = p.per_slice;
-      cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsOut);
-      if (thread == 0) {
-        red_release_add(p.tickets + slice);
-        while (ld_acquire(p.tickets + slice) < k) {
-        }
-      }
-      __syncwarp();
-      cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsIn);
-      if (thread == 0 && ticket_acq_rel(p.readers + slice) == k - 1) {
-        p.tickets[slice] = 0;
-        p.readers[slice] = 0;
-      }
-    }
+    produce<Cfg>(p, smem, work, threadIdx.x);
+    grad_w_sum_producer(p, work, threadIdx.x);
     return;
   }
 
@@ -399,6 +152,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   typename Cfg::MmaWgrad mma_w;
   auto thr_d = mma_d.get_thread_slice(mma_thread);
   auto thr_w = mma_w.get_thread_slice(mma_thread);
+  Tensor sX = make_tensor(make_smem_ptr(smem.x), typename Cfg::SmemLayoutX{});    // (h, t, stage)
+  Tensor sG = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutG{});    // (t, e, stage)
   Tensor sGt = make_tensor(make_smem_ptr(smem.g), typename Cfg::SmemLayoutGt{});  // (e, t, stage)
 
   // wᵀ (h, e) of every slice, and this thread's share of it as dgrad's register A.
@@ -419,312 +174,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   Tensor acc_d = partition_fragment_C(mma_d, Shape<Int<kTileH>, Int<kTileT>>{});    // (h, t)
   Tensor acc_w = partition_fragment_C(mma_w, Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e)
 
-  // grad_x: accumulator → staging (h, t) → TMA store of this warpgroup's 64 h × kTileT box.
-  auto copy_gx = make_tiled_copy_C(typename Cfg::CopyGX{}, mma_d);
-  auto thr_cp = copy_gx.get_thread_slice(mma_thread);
-  Tensor tCsGX = thr_cp.partition_D(sGX);  // (CPY, CPY_M, CPY_N)
-  Tensor sGXh = make_tensor(make_smem_ptr(smem.gx + (Cfg::kRoleSplit ? 0 : wg) *
-                                                       cosize_v<typename Cfg::SmemLayoutGXHalf>),
-                            typename Cfg::SmemLayoutGXHalf{});  // (h/2, t)
-  Tensor mGX = p.tma_gx.get_tma_tensor(make_shape(p.hidden, p.tokens));  // (H, T)
-  Tensor gGX = local_tile(mGX, Shape<Int<Cfg::kBoxH>, Int<Cfg::kBoxT>>{},
-                          make_coord(_, _));  // (box h, box t, h box, t box)
-  auto store_part = tma_partition(p.tma_gx, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sGXh),
-                                  group_modes<0, 2>(gGX));
-  Tensor tSgGX = get<0>(store_part);  // (TMA, half-slice, tile)
-  Tensor tSsGX = get<1>(store_part);  // (TMA)
-
-  auto load_w = [&](int64_t slice) {
-    Tensor src = tDgW(_, _, _, slice);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tDrW); ++i) tDrW(i) = src(i);
-  };
-  auto wait_unit = [&](int n) {
-    Barrier::wait(&smem.x_full[n % kStagesX], (n / kStagesX) & 1);
-    MOE_ROUTING_TRACE(ct == 0 && n == 0, 10);
-    Barrier::wait(&smem.g_full[n % kStagesG], (n / kStagesG) & 1);
-  };
-  auto release_unit = [&](int n) {
-    Barrier::arrive(&smem.x_empty[n % kStagesX]);
-    Barrier::arrive(&smem.g_empty[n % kStagesG]);
-  };
-  auto issue_dgrad = [&](int n) {
-    const int s = n % kStagesG;
-    warpgroup_fence_operand(tDrW);
-    warpgroup_fence_operand(acc_d);
-    warpgroup_arrive();
-    mma_d.accumulate_ = GMMA::ScaleOut::Zero;
-    CUTE_UNROLL
-    for (int k = 0; k < size<2>(tDrW); ++k) {
-      gemm(mma_d, tDrW(_, _, k), tDrG(_, _, k, s), acc_d);
-      mma_d.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  };
-  auto issue_wgrad = [&](int n) {
-    const int xs = n % kStagesX, gs = n % kStagesG;
-    warpgroup_fence_operand(acc_w);
-    warpgroup_arrive();
-    static_assert(Cfg::kWgradSteps == size<2>(decltype(tWrX){}), "k");
-    CUTE_UNROLL
-    for (int k = 0; k < Cfg::kWgradSteps; ++k)
-      gemm(mma_w, tWrX(_, _, k, xs), tWrGt(_, _, k, gs), acc_w);
-    warpgroup_commit_batch();
-  };
-  // The staging is free once the previous unit's store has read it: checked while this unit's
-  // GEMMs run, so that the warps' wait at the barrier overlaps them.
-  auto staging_free = [&] {
-    if (leader) tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-  };
-  auto store_grad_x = [&](int64_t slice, int64_t tile) {
-    Tensor frag = make_tensor_like<Elem>(acc_d);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_d); ++i) frag(i) = Elem(acc_d(i));
-    copy(copy_gx, thr_cp.retile_S(frag), tCsGX);
-    cutlass::arch::fence_view_async_shared();  // staging writes → TMA store reads
-    cutlass::arch::NamedBarrier::sync(128, kBarStore0 + wg);
-    if (leader) {
-      if constexpr (Cfg::kRoleSplit) copy(p.tma_gx, tSsGX, tSgGX(_, slice, tile));
-      else copy(p.tma_gx, tSsGX, tSgGX(_, 2 * slice + wg, tile));
-      tma_store_arrive();
-    }
-  };
-
-  const int64_t H = p.hidden;
-  constexpr int kSlotFloats = kExperts * kTileH;
-  constexpr int kVecsPerRow = kTileH / 4;             // 16-byte vectors per row of a slice
-  constexpr int kSliceVecs = kExperts * kVecsPerRow;  // ... per slice of grad_w
-  static_assert(kSliceVecs % 256 == 0, "a slice's vectors split evenly over the consumers");
-  auto partial = [&](int64_t slice, int c) {
-    return p.partials + LinearSchedule::slot(slice, c) * kSlotFloats;  // [E][kTileH]
-  };
-
-  // Vector v of a slice of grad_w: row e = v / kVecsPerRow.
-  auto grad_w_at = [&](int64_t slice, int v) {  // its first element
-    return (v / kVecsPerRow) * H + slice * kTileH + v % kVecsPerRow * 4;
-  };
-  auto grad_w_vec = [&](int64_t slice, int v) {  // f32 grad_w
-    return reinterpret_cast<float4*>(static_cast<float*>(p.grad_w) + grad_w_at(slice, v));
-  };
-  // Vector v written: four floats, or four bf16 (8 bytes).
-  auto store_grad_w_vec = [&](int64_t slice, int v, float4 f) {
-    if (Cfg::kAnyK && p.grad_w_bf16) {  // (the fixed-K kernels write f32 grad_w alone)
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(f.x, f.y);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(f.z, f.w);
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.grad_w) + grad_w_at(slice, v);
-      __stcg(reinterpret_cast<uint2*>(out), make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
-                                                       *reinterpret_cast<const uint32_t*>(&hi)));
-    } else {
-      __stcg(grad_w_vec(slice, v), f);
-    }
-  };
-
-  // Vectors [v0, v1) of a slice of grad_w, summed over `sources` partials in source order
-  // (after grad_w itself when accumulating) and written: thread ct takes v0 + ct + 256 j,
-  // j < kPer. `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
-  // before any is added, so a batch costs one round trip.
-  auto sum_vectors = [&](int64_t slice, int v0, int v1, int sources, auto per, auto batch,
-                         auto part) {
-    constexpr int kPer = decltype(per)::value, kBatch = decltype(batch)::value;
-    float4 sum[kPer];
-    CUTE_UNROLL
-    for (int j = 0; j < kPer; ++j) {
-      const int v = v0 + ct + 256 * j;
-      sum[j] = p.accumulate && v < v1 ? __ldcg(grad_w_vec(slice, v))
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    for (int r0 = 0; r0 < sources; r0 += kBatch) {
-      float4 in[kBatch][kPer];
-      CUTE_UNROLL
-      for (int b = 0; b < kBatch; ++b) {
-        CUTE_UNROLL
-        for (int j = 0; j < kPer; ++j) {
-          const int v = v0 + ct + 256 * j;
-          in[b][j] = r0 + b < sources && v < v1 ? part(r0 + b, v) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      }
-      CUTE_UNROLL
-      for (int b = 0; b < kBatch; ++b) {
-        if (r0 + b >= sources) break;
-        CUTE_UNROLL
-        for (int j = 0; j < kPer; ++j) {
-          sum[j].x += in[b][j].x, sum[j].y += in[b][j].y;
-          sum[j].z += in[b][j].z, sum[j].w += in[b][j].w;
-        }
-      }
-    }
-    CUTE_UNROLL
-    for (int j = 0; j < kPer; ++j) {
-      const int v = v0 + ct + 256 * j;
-      if (v < v1) store_grad_w_vec(slice, v, sum[j]);
-    }
-  };
-  // Share `rank` of k (k >= 2) of a slice, summed over the slice's k partials: as many sources
-  // in flight as fit the registers.
-  auto sum_share = [&](int64_t slice, int k, int rank, auto part) {
-    const int v0 = rank * kSliceVecs / k, v1 = (rank + 1) * kSliceVecs / k;
-    // Vectors per thread of the largest share of k (k >= 4: at most that of 4).
-    constexpr auto per_thread = [](int k) { return ((kSliceVecs + k - 1) / k + 255) / 256; };
-    if (k == 2) sum_vectors(slice, v0, v1, k, Int<per_thread(2)>{}, Int<2>{}, part);
-    else if (k == 3) sum_vectors(slice, v0, v1, k, Int<per_thread(3)>{}, Int<3>{}, part);
-    else sum_vectors(slice, v0, v1, k, Int<per_thread(4)>{}, Int<4>{}, part);
-  };
-
-  // grad_w of a segment that is the whole slice, straight to grad_w (kTileH = 128).
-  // (Accumulating loads and adds element by element, one round trip each: it runs only where
-  // one CTA takes a whole 128-column slice, H > 8448 at small T. Batching the loads, as the
-  // kTileH = 64 kernel once did, changed this kernel's register allocation and slowed its
-  // main loop by 4% at T = 32768.)
-  // (f32 grad_w only: a bf16 one goes through a partial and reduce_grad_w, which writes either,
-  // so that this store, and the main loop's registers, stay as they were.)
-  auto write_grad_w = [&](int64_t slice) {
-    Tensor gW = make_tensor(make_gmem_ptr(static_cast<float*>(p.grad_w) + slice * kTileH),
-                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
-                                        make_stride(_1{}, H)));  // (h, e)
-    Tensor tWgW = thr_w.partition_C(gW);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i) tWgW(i) = p.accumulate ? tWgW(i) + acc_w(i) : acc_w(i);
-  };
-  // grad_w of a part of a slice, as this CTA's partial of it.
-  auto write_partial = [&](int64_t slice) {
-    Tensor gP = make_tensor(make_gmem_ptr(partial(slice, cta)),
-                            make_layout(Shape<Int<kTileH>, Int<kExperts>>{},
-                                        make_stride(_1{}, Int<kTileH>{})));  // (h, e)
-    Tensor tWgP = thr_w.partition_C(gP);
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i) tWgP(i) = acc_w(i);
-  };
-  // kLastCta, after write_partial: the slice's ticket. Returns whether this CTA is the slice's
-  // last contributor, which sums the partials once the tensor-core loop is over (only a CTA's
-  // first and last segments can be partial: at most two per CTA).
-  auto take_ticket = [&](int64_t slice) -> bool {
-    // One release for the CTA: the barrier orders every thread's partial stores before
-    // thread 0's acq_rel ticket (cumulativity), so no thread needs a fence of its own. The
-    // acquire half lets the last contributor's reads (after the next barrier) see the others'.
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    if (ct == 0) {
-      const int contributors = sched.last_cta(slice) - sched.first_cta(slice) + 1;
-      smem.last_contributor = ticket_acq_rel(p.tickets + slice) == contributors - 1;
-    }
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    // Broadcast from lane 0, so that the compiler sees a warp-uniform value.
-    return __shfl_sync(0xffffffffu, smem.last_contributor, 0) != 0;
-  };
-  // kLastCta: the partials of a slice summed in CTA order, the same bits whichever CTA
-  // finishes last (ordered after the others' partials by take_ticket).
-  auto reduce_grad_w = [&](int64_t slice) {
-    const int first = sched.first_cta(slice), last = sched.last_cta(slice);
-    sum_vectors(slice, 0, kSliceVecs, last - first + 1, Int<kSliceVecs / 256>{}, Int<1>{},
-                [&](int r, int v) {
-                  return __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
-                });
-    if (ct == 0) p.tickets[slice] = 0;  // ready for the next launch
-  };
-  // kSpread and kCluster: the CTA's one segment is its slice's share `rank`. Its partial goes
-  // to the (now idle) x stages as [E][kRedStride] fp32 first.
-  constexpr int kRedStride = Cfg::kRedStride;
-  static_assert(Cfg::kRoleSplit || kExperts * kRedStride * sizeof(float) <= sizeof(smem.x),
-                "partial fits");
-  float* red = reinterpret_cast<float*>(smem.x);
-  auto staged_vec = [&](float* staged, int v) {  // vector v of a partial staged at `staged`
-    return reinterpret_cast<float4*>(staged + (v / kVecsPerRow) * kRedStride +
-                                     v % kVecsPerRow * 4);
-  };
-  auto red_vec = [&](int v) { return staged_vec(red, v); };
-  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages.
-  auto stage_acc_w = [&](float* staged) {
-    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e) → (h, e)
-    Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i)
-      staged[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
-  };
-  auto stage_partial = [&] {
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX
-    stage_acc_w(red);
-  };
-  // kSpread: the other CTAs' shares of the partial go to global memory (16-byte stores); once
-  // the slice's k CTAs have all written theirs (all are resident: the grid is at most one
-  // CTA per SM; the producer's warp 0 keeps the count), each sums its share, its own part
-  // from shared memory.
-  auto reduce_grad_w_spread = [&](int slice) {
-    const int k = p.per_slice, first = slice * k, rank = cta - first;
-    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
-    stage_partial();
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    float4* mine = reinterpret_cast<float4*>(partial(slice, cta));
-    CUTE_UNROLL
-    for (int j = 0; j < kSliceVecs / 256; ++j) {
-      const int v = ct + 256 * j;
-      if (v < own0 || v >= own1) __stcg(mine + v, *red_vec(v));
-    }
-    // The barrier orders the stores before warp 0's release (it synchronizes with its sync).
-    cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsOut);
-    MOE_ROUTING_TRACE(ct == 0, 3);
-    cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsIn);
-    MOE_ROUTING_TRACE(ct == 0, 6);
-    sum_share(slice, k, rank, [&](int r, int v) {
-      return r == rank ? *red_vec(v)
-                       : __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
-    });
-    MOE_ROUTING_TRACE(ct == 0, 7);
-    // The other CTAs' lines of this share are dead once summed (only this CTA reads them):
-    // dropped from L2, so that they are not written back to DRAM (6.6 MB per call at
-    // H = 5120, 120 CTAs). Lines across a share's ends are left; the barrier: every thread's
-    // loads of a line are done.
-    cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    constexpr int kLineVecs = 8;  // 16-byte vectors per 128-byte line
-    for (int line = (own0 + kLineVecs - 1) / kLineVecs + ct; line < own1 / kLineVecs; line += 256)
-      for (int r = 0; r < k; ++r)
-        if (r != rank) discard_l2_line(partial(slice, first + r) + line * kLineVecs * 4);
-  };
-  // kCluster: CTA r sums its share over the cluster's staged partials in rank order
-  // (distributed shared memory).
-  auto reduce_grad_w_cluster = [&](int slice) {
-    stage_partial();
-    cluster_arrive();  // every partial of the cluster in place
-    cluster_wait();
-    MOE_ROUTING_TRACE(ct == 0, 6);
-    sum_share(slice, p.per_slice, cluster_rank(), [&](int r, int v) {
-      return ld_dsmem_f32x4(map_dsmem(cute::cast_smem_ptr_to_uint(red_vec(v)), r));
-    });
-    MOE_ROUTING_TRACE(ct == 0, 7);
-    cluster_arrive();  // done reading the other CTAs' partials
-    cluster_wait();    // and they are done reading this one's
-  };
-
-  // kRoleSplit (the host gives each CTA one whole slice): warpgroup 1's grad_w of the slice,
-  // staged as [E][kRedStride] in the idle G stages, then written (after grad_w itself when
-  // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
-  // flight at once. `stage`: false_type for warpgroup 0, which holds no grad_w (so the compiler
-  // keeps no accumulators of wgrad live in its loop). The two instantiations meet through
-  // mbarriers, not a named barrier: `bar.sync` is the aligned form, which every participant
-  // must reach at the same instruction.
-  auto write_grad_w_role_split = [&](int64_t slice, auto stage) {
-    static_assert(!Cfg::kRoleSplit || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
-                  "partial fits");
-    float* staged = reinterpret_cast<float*>(smem.g);
-    if constexpr (decltype(stage)::value) {
-      // Warpgroup 1, once warpgroup 0's last dgrad is done with sG (it reads the stages in unit
-      // order, and the producer has built its last G).
-      const int last = total - 1;
-      Barrier::wait(&smem.g_empty[last % kStagesG], (last / kStagesG) & 1);
-      stage_acc_w(staged);
-      Barrier::arrive(&smem.grad_w_staged);  // (release: the staging stores)
-    }
-    Barrier::wait(&smem.grad_w_staged, 0);  // all of it staged (both warpgroups read it)
-    auto part = [&](int, int v) { return *staged_vec(staged, v); };
-    // In two halves: fewer registers live (more made ptxas spill in the main loop).
-    constexpr int kHalf = kSliceVecs / 2;
-    static_assert(kHalf % 256 == 0, "whole vectors per thread");
-    sum_vectors(slice, 0, kHalf, 1, Int<kHalf / 256>{}, Int<1>{}, part);
-    sum_vectors(slice, kHalf, kSliceVecs, 1, Int<kHalf / 256>{}, Int<1>{}, part);
-  };
+  auto grad_x = make_grad_x_store<Cfg>(p, smem, mma_d, mma_thread, wg, leader);
+  const GradWWriter<Cfg, P, decltype(thr_w), decltype(acc_w)> grad_w(p, smem, thr_w, acc_w,
+                                                                      sched, ct, cta);
 
   // A segment (this CTA's units of one slice) starts with the slice's w and a zero grad_w.
   auto begin_segment = [&](int slice) {
-    load_w(slice);
+    load_w_slice(tDgW, tDrW, slice);
     clear(acc_w);
     warpgroup_fence_operand(acc_w);
   };
@@ -739,40 +195,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       UnitCursor unit(unit0, tiles);
       const int slice = unit.slice;
       if (wg == 0) {
-        load_w(slice);
+        load_w_slice(tDgW, tDrW, slice);
         for (int n = 0; n < total; ++n) {
           if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
           const int tile = unit.tile;
           unit.next(tiles);
-          const int s = n % kStagesG;
-          Barrier::wait(&smem.g_full[s], (n / kStagesG) & 1);
+          GRing::wait(smem.g_full, n);
           MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-          if (!residual_at(n)) {  // (G's residual: wgrad alone)
-            issue_dgrad(n);
-            staging_free();
+          if (!work.residual_at(n)) {  // (G's residual: wgrad alone)
+            issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
+            grad_x.staging_free();
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_d);
           }
-          Barrier::arrive(&smem.g_empty[s]);
-          if (!residual_at(n)) store_grad_x(slice, tile);
+          GRing::arrive(smem.g_empty, n);
+          if (!work.residual_at(n)) grad_x.store(acc_d, slice, tile);
           MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
         }
-        write_grad_w_role_split(slice, cute::false_type{});
+        grad_w.write_grad_w_role_split(slice, total - 1, cute::false_type{});
       } else {
         clear(acc_w);
         warpgroup_fence_operand(acc_w);
         for (int n = 0; n < total; ++n) {
-          wait_unit(n);
-          issue_wgrad(n);
+          wait_unit<Cfg>(smem, n, ct);
+          issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
           if (n > 0) {
             warpgroup_wait<1>();  // wgrad(n - 1) done
-            release_unit(n - 1);
+            release_unit<Cfg>(smem, n - 1);
           }
         }
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_w);
-        release_unit(total - 1);
-        write_grad_w_role_split(slice, cute::true_type{});
+        release_unit<Cfg>(smem, total - 1);
+        grad_w.write_grad_w_role_split(slice, total - 1, cute::true_type{});
       }
     }
   } else if (count > 0) {
@@ -788,31 +243,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
       unit.next(tiles);
-      wait_unit(n);
+      wait_unit<Cfg>(smem, n, ct);
       MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-      if (residual_at(n)) {  // G's residual: grad_x comes from G
-        issue_wgrad(n);
+      if (work.residual_at(n)) {  // G's residual: grad_x comes from G
+        issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
       } else {
-        issue_dgrad(n);
-        issue_wgrad(n);
-        staging_free();
+        issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
+        issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
+        grad_x.staging_free();
         warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
         warpgroup_fence_operand(acc_d);
-        store_grad_x(slice, tile);
+        grad_x.store(acc_d, slice, tile);
       }
       if (Cfg::kSkew && p.skew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
-      release_unit(n);
+      release_unit<Cfg>(smem, n);
       MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if (segment_ends && p.sum == GradWSum::kLastCta) {
         if (seg_first_tile == 0 && tile == tiles - 1 && !(Cfg::kAnyK && p.grad_w_bf16)) {
-          write_grad_w(slice);
+          grad_w.write_grad_w(slice);
         } else {
-          write_partial(slice);
-          if (take_ticket(slice)) {
+          grad_w.write_partial(slice);
+          if (grad_w.take_ticket(slice)) {
             if (reduce0 < 0) reduce0 = slice;
             else reduce1 = slice;
           }
@@ -827,10 +282,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
   if constexpr (!Cfg::kRoleSplit) {
-    if (p.sum == GradWSum::kCluster) reduce_grad_w_cluster(int(unit0 / tiles));
-    if (p.sum == GradWSum::kSpread) reduce_grad_w_spread(int(unit0 / tiles));
-    if (reduce0 >= 0) reduce_grad_w(reduce0);
-    if (reduce1 >= 0) reduce_grad_w(reduce1);
+    if (p.sum == GradWSum::kCluster) grad_w.reduce_grad_w_cluster(int(unit0 / tiles));
+    if (p.sum == GradWSum::kSpread) grad_w.reduce_grad_w_spread(int(unit0 / tiles));
+    if (reduce0 >= 0) grad_w.reduce_grad_w(reduce0);
+    if (reduce1 >= 0) grad_w.reduce_grad_w(reduce1);
   }
   MOE_ROUTING_TRACE(ct == 0, 4);
   if (leader) tma_store_wait<0>();

@@ -54,6 +54,29 @@ enum class GradWSum : int { kLastCta = 0, kSpread = 1, kCluster = 2 };
 // alone, so that grad_w gets the part of G that the bf16 G leaves out; grad_x is not stored.
 enum : uint32_t { kPassG = 1, kPassResidual = 2 };
 
+// A CTA's work in one launch: its range [unit0, unit0 + count) of the schedule, swept once or
+// twice (Params::passes). Item n = 0 ... total - 1 is unit unit0 + n % count; with both sweeps
+// the residual's comes first: its small products then build up in accumulators of their own
+// size. (Added after G's, into accumulators ~2^9 larger, they lost enough bits in the tensor
+// cores' accumulation to leave grad_w 1.1e-5 off at T = 20000, 3e-6 the other way.)
+struct CtaWork {
+  int cta = 0;
+  int64_t unit0 = 0;
+  int count = 0;
+  int total = 0;
+  int tiles = 0;  // token tiles per slice (< 2^31 / kTileT)
+  bool g_pass = true, res_pass = false;
+
+  __device__ CtaWork(const LinearSchedule& sched, int cta_, uint32_t passes)
+      : cta(cta_), unit0(sched.begin(cta_)), count(int(sched.begin(cta_ + 1) - unit0)),
+        tiles(int(sched.tiles)), g_pass((passes & kPassG) != 0),
+        res_pass((passes & kPassResidual) != 0) {
+    total = count * (int(g_pass) + int(res_pass));
+  }
+  // Item n is of the residual's sweep (wgrad alone).
+  __device__ bool residual_at(int n) const { return res_pass && (!g_pass || n < count); }
+};
+
 // The top-k of a Config: K, fixed (a multiple of 4: each token's routing row loads as 16-byte
 // vectors, so the rows must be 16-byte aligned), or kAnyTopK: any K up to 8, given at run time
 // (Params::top_k), the rows loaded element by element (4-byte aligned).

@@ -1,14 +1,15 @@
 // The fused forward's main loop: TMA producer and wgmma consumers over the CTA's hidden blocks.
 //
-// Barriers per stage s (phase flips every kStages blocks):
-//   full[s]   1 arrival (the producer's expect-tx) + the stage's TMA bytes
-//   empty[s]  128·kConsumers arrivals (every consumer thread, once its wgmmas read the stage)
+// Barriers per stage, block n in stage n % kStages (pipeline.cuh's Ring):
+//   full   1 arrival (the producer's expect-tx) + the stage's TMA bytes
+//   empty  128·kConsumers arrivals (every consumer thread, once its wgmmas read the stage)
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "kernels/fused_forward/config.cuh"
+#include "kernels/pipeline.cuh"
 #include "kernels/trace.cuh"
 
 namespace moe_routing::kernels::fused_forward {
@@ -21,7 +22,7 @@ using EmptyBarrier = cutlass::arch::ClusterBarrier;
 template <class Cfg, class TmaX, class TmaW>
 __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, const TmaW& tma_w,
                         int64_t tokens, int hidden, int tile, int kb_begin, int kb_end) {
-  constexpr int kStages = Cfg::kStages;
+  using Stages = Ring<Cfg::kStages>;
   Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
   Tensor mX = tma_x.get_tma_tensor(make_shape(tokens, hidden));                         // (T, H)
@@ -35,9 +36,8 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
   auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
                                     group_modes<0, 2>(gW));  // (TMA, kb), (TMA, stage)
   for (int n = 0; kb_begin + n < kb_end; ++n) {
-    const int s = n % kStages;
-    const uint32_t phase = (n / kStages) & 1;
-    EmptyBarrier::wait(&smem.empty[s], phase ^ 1);  // fresh barrier: parity 1 passes at once
+    const int s = Stages::stage(n);
+    Stages::wait_free(smem.empty, n);
     // Out-of-bounds rows (token tail) and columns (hidden tail) arrive as zeros and count
     // in full toward the transaction bytes.
     FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kStageBytes);
@@ -55,10 +55,10 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
 template <class Cfg, class Fence, class Issue>
 __device__ __forceinline__ void consume_blocks(typename Cfg::SharedStorage& smem, int ct,
                                                int blocks, Fence&& fence, Issue&& issue) {
-  constexpr int kStages = Cfg::kStages;
+  using Stages = Ring<Cfg::kStages>;
   for (int n = 0; n < blocks; ++n) {
-    const int s = n % kStages;
-    FullBarrier::wait(&smem.full[s], (n / kStages) & 1);
+    const int s = Stages::stage(n);
+    Stages::wait(smem.full, n);
     MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
     fence();
     warpgroup_arrive();
@@ -67,7 +67,7 @@ __device__ __forceinline__ void consume_blocks(typename Cfg::SharedStorage& smem
     // One batch in flight: the previous block's wgmmas are done, so its stage goes back.
     warpgroup_wait<1>();
     fence();
-    if (n > 0) EmptyBarrier::arrive(&smem.empty[(n - 1) % kStages]);
+    if (n > 0) Stages::arrive(smem.empty, n - 1);
   }
   warpgroup_wait<0>();
   fence();

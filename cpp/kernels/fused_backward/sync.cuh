@@ -1,0 +1,39 @@
+// Synchronization of the fused backward beyond its pipelines: the GPU-scope counters that order
+// grad_w partials and compact rows between CTAs, and the CTA's named barriers.
+#pragma once
+
+namespace moe_routing::kernels::fused_backward {
+
+// Adds one to a counter, release at GPU scope.
+__device__ __forceinline__ void red_release_add(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
+// Reads a counter, acquire at GPU scope.
+__device__ __forceinline__ int ld_acquire(const int* counter) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+
+// Adds one to a ticket (acquire and release at GPU scope); returns the old count.
+__device__ __forceinline__ int ticket_acq_rel(int* ticket) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  return old;
+}
+
+// Drops a 128-byte line from L2 without writing it back (its contents become undefined):
+// for partials that no one reads again, which would otherwise go to DRAM when evicted.
+__device__ __forceinline__ void discard_l2_line(const void* line) {
+  asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+}
+
+// Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
+// producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
+enum : uint32_t {
+  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6
+};
+constexpr uint32_t kSpreadBarThreads = 256 + 32;
+
+}  // namespace moe_routing::kernels::fused_backward
