@@ -35,14 +35,16 @@ needs_gpu = pytest.mark.skipif(
 # GLM-4.5's router (E 160, K 8, 8 groups of which 4) at a smaller H.
 H, E, K, GROUPS, TOPK_GROUP, SCALE = 512, 160, 8, 8, 4, 2.5
 CFG = (GROUPS, TOPK_GROUP, SCALE, True)  # route_backward's n_group .. norm_topk_prob
+# The package beside the tests (a checkout), else none: the installed one.
 PYTHON_DIR = Path(__file__).resolve().parents[1]
+PYTHON_DIR = PYTHON_DIR if (PYTHON_DIR / "moe_routing").is_dir() else None
 OPS = ("route", "route_with_stats", "route_backward")
 
 
 def _ctypes_env():
     env = dict(os.environ, MOE_ROUTING_TORCH_OP="0")
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(PYTHON_DIR), env.get("PYTHONPATH")) if p)
+        p for p in (PYTHON_DIR and str(PYTHON_DIR), env.get("PYTHONPATH")) if p)
     return env
 
 
