@@ -124,6 +124,24 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
+// E with 64-column kernels alone (256): one CTA per 64-column slice, or, where the slices leave
+// SMs idle, k CTAs per slice (a k-th of its token tiles each) whose partials are summed spread
+// (kSpread), each CTA a share of the slice: where that costs fewer units than one CTA per slice.
+// The spread sum costs about kSpreadSum64 64-column units (kSpreadSum, in 128-column units at
+// E = 160, over kUnit64; an E = 256 partial is 64 KB, an E = 160 one 80 KB).
+BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms) {
+  constexpr double kSpreadSum64 = 5.0;
+  const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
+  BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
+  double best_cost = double(tiles);
+  if (slices > kMaxCounterSlices) return best;
+  for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
+    const double cost = kSpreadSum64 + double(ceil_div(tiles, k));
+    if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
+  }
+  return best;
+}
+
 // The kernel of E for the plan's slice width: K = 8 with 16-byte aligned routing rows in the
 // training dtypes has its own where E has one (vector loads); any other K, alignment or dtype
 // takes the any-K one.
@@ -145,15 +163,14 @@ bool fused_backward_supported(const RouterConfig& cfg) {
   if (cfg.num_experts_per_tok < 1 || cfg.num_experts_per_tok > 8) return false;
   // E with 128-column kernels (64, 128, 160): 128-column slices, or 64-column ones at small T.
   if (has_fused_backward(cfg.n_routed_experts, 128)) return cfg.hidden_size % kTileH == 0;
-  // E with 64-column kernels alone (256, DeepSeek-V3): 64-column slices, one CTA each, at
-  // every T.
+  // E with 64-column kernels alone (256, DeepSeek-V3): 64-column slices at every T (plan64).
   return has_fused_backward(cfg.n_routed_experts, 64) && cfg.hidden_size % 64 == 0 &&
          cfg.hidden_size / 64 <= kMaxCounterSlices;
 }
 
 size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
-  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (256
-  // experts: 64-column slices, one CTA each, no partials.)
+  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
+  // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = ceil_div(tokens, kTileT) * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
@@ -177,7 +194,7 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   const BackwardPlan pl =
       has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device)
-          : BackwardPlan{int(cfg.hidden_size / 64), 1, GradWSum::kLastCta, 64};
+          : plan64(tiles, cfg.hidden_size / 64, sm_count(device));
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
   // (validate_backward: precise mode writes grad_w as f32.)

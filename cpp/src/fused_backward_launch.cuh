@@ -100,8 +100,10 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
       passes == 0 || (passes & ~kBoth) != 0 ||
       (passes == kBoth && !plan.one_segment_per_cta(p.sched.slices)))
     return Status::kUnsupported;
-  // kTileH = 64: each CTA one whole slice (its grad_w written through shared memory).
-  if (Cfg::kRoleSplit && (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))
+  // kTileH = 64: each CTA one segment (its grad_w goes out through shared memory): a whole slice
+  // (kLastCta), or one of its k parts (kSpread).
+  if (Cfg::kRoleSplit && plan.sum != GradWSum::kSpread &&
+      (plan.sum != GradWSum::kLastCta || int64_t(plan.ctas) != p.sched.slices))
     return Status::kUnsupported;
   if (plan.sum != GradWSum::kLastCta &&
       (plan.per_slice < 2 || plan.per_slice > p.sched.tiles ||

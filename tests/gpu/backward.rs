@@ -51,7 +51,7 @@ pub(super) fn backward_grad_w_sums(s: &Arc<CudaStream>) {
 }
 
 /// The fused backward's other expert counts: 256 (DeepSeek-V3: 64-column slices, one consumer
-/// warpgroup taking dgrad and the other wgrad) and 128 (GLM-4.5-Air: the same kernels as 160,
+/// warpgroup taking dgrad and the other wgrad; k CTAs per slice where the slices are few) and 128 (GLM-4.5-Air: the same kernels as 160,
 /// 64-column slices at small T, 128-column ones with grad_w summed over a slice's CTAs above),
 /// against the reference in both precisions, accumulating or not, and bitwise repeatable.
 pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
@@ -65,14 +65,15 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
         routed_scaling_factor: 1.0,
         norm_topk_prob: true,
     };
-    // 256 experts with few slices (16 of 64 columns), one group.
+    // 256 experts with few slices (16 of 64 columns), one group: 8 CTAs per slice at T = 3001
+    // on an H200, their partials summed spread.
     let narrow = RouterConfig {
         hidden_size: 1024,
         n_group: 1,
         topk_group: 1,
         ..v3
     };
-    // Kimi-Linear's shape (36 slices of 64 columns, scale 2.446).
+    // Kimi-Linear's shape (36 slices): 3 CTAs per slice at T = 4096, each summing a third.
     let kimi_linear = RouterConfig {
         hidden_size: 2304,
         routed_scaling_factor: 2.446,

@@ -6,7 +6,8 @@
 //             memory, counted by the producer's warp 0 (grad_w_sum_producer).
 //   kCluster  reduce_grad_w_cluster: the same from each other's shared memory.
 // A segment that is a whole slice goes straight to grad_w (write_grad_w); the role-split kernels
-// (kTileH = 64, one CTA per slice) through shared memory (write_grad_w_role_split).
+// (kTileH = 64, one segment per CTA: kLastCta with one CTA per slice, or kSpread) through shared
+// memory (stage_role_split, write_role_split).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -236,15 +237,19 @@ struct GradWWriter {
   // CTA per SM; the producer's warp 0 keeps the count), each sums its share, its own part
   // from shared memory.
   __device__ __forceinline__ void reduce_grad_w_spread(int slice) const {
-    const int k = p.per_slice, first = slice * k, rank = cta - first;
-    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
     stage_partial();
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
+    spread_staged(slice, red);
+  }
+  // kSpread, once the CTA's partial is staged at `staged` ([E][kRedStride]).
+  __device__ __forceinline__ void spread_staged(int slice, float* staged) const {
+    const int k = p.per_slice, first = slice * k, rank = cta - first;
+    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
     float4* mine = reinterpret_cast<float4*>(partial(slice, cta));
     CUTE_UNROLL
     for (int j = 0; j < kSliceVecs / 256; ++j) {
       const int v = ct + 256 * j;
-      if (v < own0 || v >= own1) __stcg(mine + v, *red_vec(v));
+      if (v < own0 || v >= own1) __stcg(mine + v, *staged_vec(staged, v));
     }
     // The barrier orders the stores before warp 0's release (it synchronizes with its sync).
     cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsOut);
@@ -252,7 +257,7 @@ struct GradWWriter {
     cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsIn);
     MOE_ROUTING_TRACE(ct == 0, 6);
     sum_share(slice, k, rank, [&](int r, int v) {
-      return r == rank ? *red_vec(v)
+      return r == rank ? *staged_vec(staged, v)
                        : __ldcg(reinterpret_cast<const float4*>(partial(slice, first + r)) + v);
     });
     MOE_ROUTING_TRACE(ct == 0, 7);
@@ -281,35 +286,38 @@ struct GradWWriter {
     cluster_wait();    // and they are done reading this one's
   }
 
-  // kRoleSplit (the host gives each CTA one whole slice): warpgroup 1's grad_w of the slice,
-  // staged as [E][kRedStride] in the idle G stages, then written (after grad_w itself when
-  // accumulating) by all consumer threads in 16-byte vectors, a thread's grad_w loads all in
-  // flight at once. `stage`: false_type for warpgroup 0, which holds no grad_w (so the compiler
-  // keeps no accumulators of wgrad live in its loop). The two instantiations meet through
-  // mbarriers, not a named barrier: `bar.sync` is the aligned form, which every participant
-  // must reach at the same instruction.
-  template <bool kStage>
-  __device__ __forceinline__ void write_grad_w_role_split(int64_t slice, int last,
-                                                          cute::bool_constant<kStage>) const {
+  // kRoleSplit: warpgroup 1's grad_w of the CTA's segment, staged as [E][kRedStride] in the idle
+  // G stages by warpgroup 1 (stage_role_split), then written by all consumer threads
+  // (write_role_split): the whole slice straight to grad_w (after grad_w itself when
+  // accumulating; kLastCta, one CTA per slice), or, kSpread (k CTAs per slice), as this CTA's
+  // partial, its share summed over the slice's k partials. The two warpgroups meet through an
+  // mbarrier (grad_w_staged), and reach write_role_split's named barriers (kSpread) from the
+  // same instructions: `bar.sync` is the aligned form.
+  // Warpgroup 1, once warpgroup 0's last dgrad (unit `last`) is done with sG (it reads the stages
+  // in unit order, and the producer has built its last G).
+  __device__ __forceinline__ void stage_role_split(int last) const {
     static_assert(!Cfg::kRoleSplit || kExperts * kRedStride * sizeof(float) <= sizeof(smem.g),
                   "partial fits");
+    Ring<kStagesG>::wait(smem.g_empty, last);
+    stage_acc_w(reinterpret_cast<float*>(smem.g));
+    Barrier::arrive(&smem.grad_w_staged);  // (release: the staging stores)
+  }
+  // Both consumer warpgroups, from one call site.
+  __device__ __forceinline__ void write_role_split(int64_t slice) const {
     float* staged = reinterpret_cast<float*>(smem.g);
-    if constexpr (kStage) {
-      // Warpgroup 1, once warpgroup 0's last dgrad is done with sG (it reads the stages in unit
-      // order, and the producer has built its last G).
-      Ring<kStagesG>::wait(smem.g_empty, last);
-      stage_acc_w(staged);
-      Barrier::arrive(&smem.grad_w_staged);  // (release: the staging stores)
-    }
     Barrier::wait(&smem.grad_w_staged, 0);  // all of it staged (both warpgroups read it)
+    if (p.sum == GradWSum::kSpread) {
+      spread_staged(int(slice), staged);
+      return;
+    }
+    // A thread's grad_w loads all in flight at once, in two halves: fewer registers live (more
+    // made ptxas spill in the main loop).
     auto part = [&](int, int v) { return *staged_vec(staged, v); };
-    // In two halves: fewer registers live (more made ptxas spill in the main loop).
     constexpr int kHalf = kSliceVecs / 2;
     static_assert(kHalf % 256 == 0, "whole vectors per thread");
     sum_vectors(slice, 0, kHalf, 1, Int<kHalf / 256>{}, Int<1>{}, part);
     sum_vectors(slice, kHalf, kSliceVecs, 1, Int<kHalf / 256>{}, Int<1>{}, part);
   }
-
 };
 
 }  // namespace moe_routing::kernels::fused_backward

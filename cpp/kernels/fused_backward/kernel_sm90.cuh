@@ -14,8 +14,8 @@
 //              kRoleSplit (kTileH = 64): warpgroup 1 computes dgrad and stores grad_x,
 //              warpgroup 2 wgrad, each of whole units.
 // grad_w of a slice split over several CTAs is summed in CTA order, so it is bitwise
-// deterministic (grad_w_sum.cuh). kTileH = 64 runs one CTA per slice only: its wgrad
-// warpgroup's grad_w is written through shared memory.
+// deterministic (grad_w_sum.cuh). kTileH = 64 runs one segment per CTA, a whole slice or one of
+// its k parts (kSpread): its wgrad warpgroup's grad_w goes out through shared memory.
 // Precise mode sweeps the CTA's units twice: first with G's bf16 rounding residual in G and
 // wgrad alone, then as above, into the same grad_w accumulators (Params::passes, CtaWork).
 // Where a CTA would have several segments the host launches the two sweeps separately, the
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // Warpgroup 0: dgrad and grad_x of each unit (G alone). Warpgroup 1: wgrad of each unit
     // (x and G), the next unit's issued before the previous one's is waited for (the same
     // accumulators: the wgmmas run in order), so that its tensor work runs back to back while
-    // warpgroup 0 stores grad_x. One segment per CTA: its slice.
+    // warpgroup 0 stores grad_x. One segment per CTA: its slice, or (kSpread) a part of it.
     if (count > 0) {
       UnitCursor unit(unit0, tiles);
       const int slice = unit.slice;
@@ -212,7 +212,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           if (!work.residual_at(n)) grad_x.store(acc_d, slice, tile);
           MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
         }
-        grad_w.write_grad_w_role_split(slice, total - 1, cute::false_type{});
       } else {
         clear(acc_w);
         warpgroup_fence_operand(acc_w);
@@ -227,8 +226,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_w);
         release_unit<Cfg>(smem, total - 1);
-        grad_w.write_grad_w_role_split(slice, total - 1, cute::true_type{});
+        grad_w.stage_role_split(total - 1);
       }
+      grad_w.write_role_split(slice);
     }
   } else if (count > 0) {
     UnitCursor unit(unit0, tiles);
