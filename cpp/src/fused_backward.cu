@@ -13,8 +13,6 @@
 namespace moe_routing::detail {
 namespace {
 
-constexpr int64_t kTileT = 128, kTileH = 128;
-
 // SM count per device, read once: the split (hence the grad_w summation order) depends on it.
 int sm_count(int device) {
   static std::atomic<int> cached[64] = {};
@@ -166,21 +164,6 @@ bool fused_backward_supported(const RouterConfig& cfg) {
   // E with 64-column kernels alone (256, DeepSeek-V3): 64-column slices at every T (plan64).
   return has_fused_backward(cfg.n_routed_experts, 64) && cfg.hidden_size % 64 == 0 &&
          cfg.hidden_size / 64 <= kMaxCounterSlices;
-}
-
-size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
-  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
-  // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
-  const int64_t slices = cfg.hidden_size / kTileH;
-  const int64_t units = ceil_div(tokens, kTileT) * slices;
-  const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  const size_t partials =
-      size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
-  return (partials + 255) / 256 * 256;
-}
-
-size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
-  return fused_backward_compact_offset(cfg, tokens) + size_t(tokens) * 32;
 }
 
 // Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16

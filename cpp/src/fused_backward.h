@@ -22,10 +22,24 @@ constexpr int kFusedMaxCtas = 160;
 // precision.
 bool fused_backward_supported(const RouterConfig& cfg);
 
+// The 128-column plan's unit: kTileT tokens by kTileH hidden columns.
+constexpr int64_t kTileT = 128, kTileH = 128;
+
 // Scratch bytes after the tickets for the fused kernel: grad_w partials, then (from
 // fused_backward_compact_offset) a compact routing row of 32 bytes per token.
-size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens);
-size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens);
+inline size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
+  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
+  // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
+  const int64_t slices = cfg.hidden_size / kTileH;
+  const int64_t units = (tokens + kTileT - 1) / kTileT * slices;
+  const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
+  const size_t partials =
+      size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  return (partials + 255) / 256 * 256;
+}
+inline size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
+  return fused_backward_compact_offset(cfg, tokens) + size_t(tokens) * 32;
+}
 
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
                              cudaStream_t stream);

@@ -23,7 +23,10 @@
 // stays in L2). GRAPH set: the back-to-back calls replayed from a CUDA graph, as the benchmarks
 // time them (else launched one by one). ROUTING set (backward): the routing inputs from the
 // fused forward on each set's x and w, as the benchmarks make them (else spread synthetic ones).
-// ACCUMULATE set: the backward adds into grad_w. TRACE_CTAS=ID,ID,...: also those phase ids of
+// ACCUMULATE set: the backward adds into grad_w. TORCH_DTYPES set (backward): the inputs as
+// PyTorch holds them (int64 indices, bf16 scores of all experts, bf16 gradients; grad_w bf16),
+// through the any-K kernels, which pack them into compact rows once per launch (phase 10: a
+// CTA past that packing's grid barrier), as the public range runs. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: research/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
@@ -64,6 +67,10 @@ __global__ void fill_idx(int32_t* p, int64_t T, int K, int E, uint64_t seed) {
   for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < T; t += (int64_t)gridDim.x * blockDim.x) {
     int b = hash32(t + seed) % E; for (int k = 0; k < K; ++k) p[t * K + k] = (b + k * (E / K)) % E;
   }
+}
+__global__ void widen_idx(const int32_t* in, int64_t* out, int64_t n) {
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+    out[i] = in[i];
 }
 template <class T> T* dalloc(size_t n) { T* p; CK(cudaMalloc(&p, n * sizeof(T))); return p; }
 
@@ -147,6 +154,17 @@ int main(int argc, char** argv) {
     }
     CK(cudaStreamSynchronize(st));
   }
+  // TORCH_DTYPES: each set's routing inputs as PyTorch holds them.
+  const bool torch_dtypes = bwd && getenv("TORCH_DTYPES") != nullptr;
+  std::vector<int64_t*> idx64(sets);
+  std::vector<uint16_t*> sc_all(sets), gt16(sets);
+  if (torch_dtypes) {
+    for (int s = 0; s < sets; ++s) {
+      idx64[s] = dalloc<int64_t>(T * K); widen_idx<<<256, 256>>>(idx[s], idx64[s], T * K);
+      sc_all[s] = dalloc<uint16_t>(T * E); fill_bf16<<<256, 256>>>(sc_all[s], T * E, 500 + s);
+      gt16[s] = dalloc<uint16_t>(T * K); fill_bf16<<<256, 256>>>(gt16[s], T * K, 600 + s);
+    }
+  }
   CK(cudaDeviceSynchronize());
   int grid = 0;
   // The forward's arguments on input set s.
@@ -163,6 +181,14 @@ int main(int argc, char** argv) {
       a.topk_scores = {sc[s], int64_t(T * K)}; a.grad_topk_weights = {gt[s], int64_t(T * K)};
       a.grad_x = {gx[s], int64_t(T * H)}; a.grad_w = {gw[s], int64_t(E * H)}; a.workspace = {ws[s], int64_t(64 << 20)};
       a.accumulate_grad_w = getenv("ACCUMULATE") != nullptr;  // add into grad_w
+      if (torch_dtypes) {  // (scores of all experts, in [-1, 1): the kernel reads them as given)
+        a.topk_idx = DeviceInput(idx64[s], T * K, DType::kI64);
+        a.topk_scores = {};
+        a.scores = DeviceInput(sc_all[s], T * E, DType::kBF16);
+        a.grad_topk_weights = DeviceInput(gt16[s], T * K, DType::kBF16);
+        a.grad_w = DeviceOutput(gw[s], E * H, DType::kBF16);
+        a.accumulate_grad_w = false;
+      }
       detail::BackwardPlan pl;
       pl.ctas = argc > 3 ? atoi(argv[3]) : int(H / 128);
       const char m = argc > 4 ? argv[4][0] : 'l';
@@ -177,6 +203,10 @@ int main(int argc, char** argv) {
       const bool h64 = argc > 5 && argv[5][0] == 'h';  // 64-column slices, one CTA each
       if (h64) pl.tile_h = 64;
       auto pass = [&](uint32_t sweeps, const BackwardArgs& args) {
+        constexpr int kAny = kernels::fused_backward::kAnyTopK;
+        if (torch_dtypes)
+          return h64 ? detail::launch_fused_backward_e<160, kAny, 64>(cfg, args, 0, pl, st, sweeps)
+                     : detail::launch_fused_backward_e<160, kAny, 128>(cfg, args, 0, pl, st, sweeps);
         return h64 ? detail::launch_fused_backward_e<160, 8, 64>(cfg, args, 0, pl, st, sweeps)
                    : detail::launch_fused_backward_e<160, 8, 128>(cfg, args, 0, pl, st, sweeps);
       };
