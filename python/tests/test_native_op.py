@@ -376,9 +376,16 @@ def test_autograd_through_route(wdtype):
 def test_route_backward_is_not_differentiable():
     x, w, idx, s, g = _backward_inputs(64, 14, torch.int32, "topk", torch.float32)
     gr = g.clone().requires_grad_(True)
-    gx, _ = torch.ops.moe_routing.route_backward(x, w, idx, s, gr, *CFG)
-    with pytest.raises(RuntimeError):
+    gx, gw = torch.ops.moe_routing.route_backward(x, w, idx, s, gr, *CFG)
+    assert gx.requires_grad and gw.requires_grad
+    with pytest.raises(RuntimeError, match="not implemented"):
         torch.autograd.grad(gx.float().sum(), (gr,))
+    # Neither output is tracked where no gradient is needed: grad mode off, or no input asking.
+    with torch.no_grad():
+        gx, gw = torch.ops.moe_routing.route_backward(x, w, idx, s, gr, *CFG)
+    assert not gx.requires_grad and not gw.requires_grad
+    gx, gw = torch.ops.moe_routing.route_backward(x, w, idx, s, g, *CFG)
+    assert not gx.requires_grad and not gw.requires_grad
 
 
 def _step(x, w, b, g):

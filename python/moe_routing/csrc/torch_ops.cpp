@@ -19,7 +19,10 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -454,6 +457,37 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   return {grad_x, accumulate ? placeholder : grad_w};
 }
 
+std::tuple<at::Tensor, at::Tensor> route_backward_autograd(
+    c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
+    const at::Tensor& topk_idx, const at::Tensor& topk_scores,
+    const at::Tensor& grad_topk_weights, int64_t n_group, int64_t topk_group,
+    double routed_scaling_factor, bool norm_topk_prob, bool precise, bool grad_w_bf16,
+    const std::optional<at::Tensor>& grad_w_out) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_routing::route_backward", "")
+                             .typed<decltype(route_backward)>();
+  const bool accumulate = grad_w_out.has_value() && grad_w_out->defined();
+  TORCH_CHECK_VALUE(!(accumulate && grad_w_out->requires_grad() && at::GradMode::is_enabled()),
+                    "grad_w_out: a tensor that requires grad cannot be accumulated into");
+  std::tuple<at::Tensor, at::Tensor> out;
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    out = op.redispatch(keys & c10::after_autograd_keyset, x, weight, topk_idx, topk_scores,
+                        grad_topk_weights, n_group, topk_group, routed_scaling_factor,
+                        norm_topk_prob, precise, grad_w_bf16, grad_w_out);
+  }
+  if (torch::autograd::compute_requires_grad(x, weight, topk_scores, grad_topk_weights)) {
+    auto node = std::shared_ptr<torch::autograd::NotImplemented>(
+        new torch::autograd::NotImplemented(
+            "moe_routing::route_backward",
+            torch::autograd::collect_next_edges(x, weight, topk_scores, grad_topk_weights)),
+        torch::autograd::deleteNode);
+    torch::autograd::set_history(std::get<0>(out), node);
+    if (!accumulate) torch::autograd::set_history(std::get<1>(out), node);
+  }
+  return out;
+}
+
 }  // namespace
 
 // The schemas of the Python custom ops (Python ints are SymInt there).
@@ -494,8 +528,9 @@ TORCH_LIBRARY_IMPL(moe_routing, CPU, m) {
   m.impl("route_backward", &route_backward);
 }
 
-// Not differentiable: backpropagating through it raises (the forward ops' autograd is ops.py's).
+// Not differentiable: where an input needs a gradient, the outputs get a node that raises when
+// backpropagated through. The kernel is reached unboxed: PyTorch's boxed not-implemented
+// fallback, which does the same, costs each call the boxing of its twelve arguments.
 TORCH_LIBRARY_IMPL(moe_routing, Autograd, m) {
-  m.impl("route_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("route_backward", &route_backward_autograd);
 }
-
