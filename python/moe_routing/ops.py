@@ -682,9 +682,13 @@ if BACKEND == "native":
     torch.library.register_fake("moe_routing::route", _route_fake)
     torch.library.register_fake("moe_routing::route_with_stats", _route_with_stats_fake)
     torch.library.register_fake("moe_routing::route_backward", _route_backward_fake)
+    # The op library registers route's autograd in C++ (no Python per call); a library built
+    # before it did gets this module's.
     for _name in ("route", "route_with_stats"):
-        torch.library.register_autograd(f"moe_routing::{_name}", _route_autograd_backward,
-                                        setup_context=_setup_context)
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"moe_routing::{_name}",
+                                                              "Autograd"):
+            torch.library.register_autograd(f"moe_routing::{_name}", _route_autograd_backward,
+                                            setup_context=_setup_context)
     # The workspace cache of the ops in use: (device index, stream handle) -> workspace.
     _workspaces = _NativeWorkspaces()
 else:

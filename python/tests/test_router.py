@@ -274,6 +274,30 @@ def test_meta_autograd(wdtype):
     assert (w.grad.shape, w.grad.dtype) == (w.shape, wdtype)
 
 
+def test_meta_autograd_tracks_only_what_needs_a_gradient():
+    c = CONFIGS["small"]
+    x = torch.empty(9, c.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(c.n_routed_experts, c.hidden_size, dtype=torch.bfloat16, device="meta",
+                    requires_grad=True)
+    b = torch.empty(c.n_routed_experts, device="meta")
+    # x alone asked for.
+    (gx,) = torch.autograd.grad(torch.ops.moe_routing.route(x, w, b, *op_args(c))[1].sum(), (x,))
+    assert gx.shape == x.shape
+    # Nothing tracked with grad mode off, or where neither x nor w requires grad.
+    with torch.no_grad():
+        assert not torch.ops.moe_routing.route(x, w, b, *op_args(c))[1].requires_grad
+    idx, weights, scores = torch.ops.moe_routing.route(x.detach(), w.detach(), b, *op_args(c))
+    assert not weights.requires_grad
+    # route_backward is not differentiable: its outputs raise when backpropagated through.
+    g = weights.clone().requires_grad_(True)
+    gx, gw = torch.ops.moe_routing.route_backward(
+        x.detach(), w.detach(), idx, scores, g, c.n_group, c.topk_group,
+        c.routed_scaling_factor, c.norm_topk_prob)
+    assert gx.requires_grad and gw.requires_grad
+    with pytest.raises(RuntimeError, match="not implemented"):
+        torch.autograd.grad(gx.float().sum(), (g,))
+
+
 def test_fake_tracing_of_forward_and_backward():
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -8,8 +8,8 @@
 // ops.py (ValueError, naming the argument); a non-zero status of the library raises a
 // RuntimeError with its text. Outputs come from PyTorch's caching allocator and every kernel runs
 // on the current CUDA stream of the input's device, so CUDA graph capture and torch.compile work.
-// The fake (meta) kernels and the forward ops' autograd are registered from Python
-// (moe_routing.ops, named by set_python_module below).
+// The fake (meta) kernels are registered from Python (moe_routing.ops, named by
+// set_python_module below); autograd is registered here.
 
 #include <moe_routing/moe_routing.h>
 
@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -488,6 +489,125 @@ std::tuple<at::Tensor, at::Tensor> route_backward_autograd(
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Autograd of route and route_with_stats: differentiable in x and weight through topk_weights;
+// the backward is route_backward (the steps of ops.py's _route_autograd_backward, which the
+// ctypes ops use). Registered from C++ so that a forward call runs no Python.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class RouteFunction : public torch::autograd::Function<RouteFunction> {
+ public:
+  // stats: route_with_stats (five outputs), else route (three).
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
+                               const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+                               int64_t n_group, int64_t topk_group, double routed_scaling_factor,
+                               bool norm_topk_prob, bool precise, bool return_scores,
+                               bool return_counts, bool stats) {
+    variable_list out = route_below_autograd(x, weight, bias, top_k, n_group, topk_group,
+                                             routed_scaling_factor, norm_topk_prob, precise,
+                                             return_scores, return_counts, stats);
+    ctx->save_for_backward({x, weight, out[0], out[2]});
+    ctx->saved_data["n_group"] = n_group;
+    ctx->saved_data["topk_group"] = topk_group;
+    ctx->saved_data["scale"] = routed_scaling_factor;
+    ctx->saved_data["norm"] = norm_topk_prob;
+    ctx->saved_data["precise"] = precise;
+    ctx->saved_data["inputs"] = int64_t(12);
+    variable_list fixed{out[0], out[2]};
+    if (stats) fixed.insert(fixed.end(), {out[3], out[4]});
+    ctx->mark_non_differentiable(fixed);
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &idx = saved[2], &scores = saved[3];
+    variable_list result(size_t(ctx->saved_data["inputs"].toInt()));
+    const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
+    at::Tensor g = grads[1];
+    if (!g.defined() || !(need_x || need_w)) return result;
+    // bf16 and f32 gradients go to the kernel as they are; a bf16 weight gets its bf16 gradient
+    // from the kernel itself (f32 where precise).
+    if (g.scalar_type() != at::kFloat && g.scalar_type() != at::kBFloat16) g = g.to(at::kFloat);
+    g = g.contiguous();
+    const bool precise = ctx->saved_data["precise"].toBool();
+    const bool grad_w_bf16 = weight.scalar_type() == at::kBFloat16 && !precise;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("moe_routing::route_backward", "")
+                               .typed<decltype(route_backward)>();
+    auto [grad_x, grad_w] =
+        op.call(x, weight, idx, scores, g, ctx->saved_data["n_group"].toInt(),
+                ctx->saved_data["topk_group"].toInt(), ctx->saved_data["scale"].toDouble(),
+                ctx->saved_data["norm"].toBool(), precise, grad_w_bf16, std::nullopt);
+    if (need_x) result[0] = grad_x;
+    if (need_w) result[1] = grad_w.scalar_type() == weight.scalar_type()
+                                ? grad_w
+                                : grad_w.to(weight.scalar_type());
+    return result;
+  }
+
+  // The op's own kernel (below autograd): route's three outputs, or route_with_stats' five.
+  static variable_list route_below_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                            const at::Tensor& bias, int64_t top_k,
+                                            int64_t n_group, int64_t topk_group,
+                                            double routed_scaling_factor, bool norm_topk_prob,
+                                            bool precise, bool return_scores,
+                                            bool return_counts, bool stats) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    if (stats) {
+      static const auto op = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("moe_routing::route_with_stats", "")
+                                 .typed<decltype(route_with_stats)>();
+      auto [a, b, c, d, e] =
+          op.call(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                  norm_topk_prob, precise, return_scores, return_counts);
+      return {a, b, c, d, e};
+    }
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("moe_routing::route", "")
+                               .typed<decltype(route)>();
+    auto [a, b, c] = op.call(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
+                             norm_topk_prob, precise);
+    return {a, b, c};
+  }
+};
+
+// Where neither x nor weight needs a gradient, the op's kernel alone, with no autograd node.
+variable_list route_any(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                        int64_t top_k, int64_t n_group, int64_t topk_group,
+                        double routed_scaling_factor, bool norm_topk_prob, bool precise,
+                        bool return_scores, bool return_counts, bool stats) {
+  if (!torch::autograd::compute_requires_grad(x, weight))
+    return RouteFunction::route_below_autograd(x, weight, bias, top_k, n_group, topk_group,
+                                               routed_scaling_factor, norm_topk_prob, precise,
+                                               return_scores, return_counts, stats);
+  return RouteFunction::apply(x, weight, bias, top_k, n_group, topk_group,
+                              routed_scaling_factor, norm_topk_prob, precise, return_scores,
+                              return_counts, stats);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route_autograd(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
+    bool precise) {
+  variable_list out = route_any(x, weight, bias, top_k, n_group, topk_group,
+                                routed_scaling_factor, norm_topk_prob, precise, false, false,
+                                false);
+  return {out[0], out[1], out[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_with_stats_autograd(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
+    int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
+    bool precise, bool return_scores, bool return_counts) {
+  variable_list out = route_any(x, weight, bias, top_k, n_group, topk_group,
+                                routed_scaling_factor, norm_topk_prob, precise, return_scores,
+                                return_counts, true);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
 }  // namespace
 
 // The schemas of the Python custom ops (Python ints are SymInt there).
@@ -528,9 +648,13 @@ TORCH_LIBRARY_IMPL(moe_routing, CPU, m) {
   m.impl("route_backward", &route_backward);
 }
 
-// Not differentiable: where an input needs a gradient, the outputs get a node that raises when
-// backpropagated through. The kernel is reached unboxed: PyTorch's boxed not-implemented
-// fallback, which does the same, costs each call the boxing of its twelve arguments.
+// Autograd, from C++: route and route_with_stats through RouteFunction (none where no gradient
+// is needed); route_backward is not differentiable: where an input needs a gradient, its
+// outputs get a node that raises when backpropagated through. Each kernel is reached unboxed
+// (PyTorch's boxed not-implemented fallback, which does the same for route_backward, boxes
+// its twelve arguments on every call).
 TORCH_LIBRARY_IMPL(moe_routing, Autograd, m) {
+  m.impl("route", &route_autograd);
+  m.impl("route_with_stats", &route_with_stats_autograd);
   m.impl("route_backward", &route_backward_autograd);
 }
