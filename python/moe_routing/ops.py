@@ -629,7 +629,7 @@ _definitions: List[torch.library.Library] = []
 
 class _NotDifferentiable(torch.autograd.Function):
     """Gives route_backward's outputs a backward that raises, as the native op's autograd
-    fallback does (only where an input requires grad with grad mode on: never in route's
+    kernel does (only where an input requires grad with grad mode on: never in route's
     backward)."""
 
     @staticmethod

@@ -411,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   if (accumulate) placeholder = at::empty({0}, x.options().dtype(at::kFloat));
   if (accumulate) {
     // Written in place (below, or not at all for no tokens): its version counter is bumped
-    // here, as the autograd fallback above this kernel skips the in-place bookkeeping.
+    // here, as the autograd kernel above this one does no in-place bookkeeping.
     grad_w_out->unsafeGetTensorImpl()->bump_version();
   }
   if (T == 0) {
