@@ -1,6 +1,6 @@
 """The router backward on the public benchmark's workload, timed as that benchmark does.
 
-    python python/benches/public_range.py [--suite FILE] [--repeats N] [--json PATH]
+    python python/benches/public_range.py [--suite FILE] [--repeats N] [--json PATH] [--dry-run]
 
 For each case of ``benches/shapes/public_range.json`` (GLM-4.5's router: H 5120, E 160, K 8,
 scale 2.5; 1264 to 7680 tokens), with the inputs as PyTorch holds them (``topk_idx`` int64,
@@ -27,11 +27,18 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "python"))
-import moe_routing  # noqa: E402,F401  (registers the ops)
+torch = None  # imported by main() unless --dry-run
+
+
+def load_torch():
+    global torch
+    import torch as t
+
+    sys.path.insert(0, str(ROOT / "python"))
+    import moe_routing  # noqa: F401  (registers the ops)
+
+    torch = t
 
 FLUSH_BYTES = 256 << 20
 SPIN_CYCLES = 200_000  # ~0.1 ms: longer than a call's host time
@@ -116,8 +123,19 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--json")
     ap.add_argument("--no-eager", action="store_true", help="skip eager PyTorch's backward")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="list the cases, their bytes and SOL (no GPU, no torch)")
     args = ap.parse_args()
     suite = json.loads(Path(args.suite).read_text())
+    if args.dry_run:
+        for c in suite["cases"]:
+            t, h, e, k = c["tokens"], c["hidden_size"], c["n_routed_experts"], c["top_k"]
+            read, write = case_bytes(t, h, e, k)
+            sol = max((read + write) / suite["sol"]["bandwidth_Bps"],
+                      4 * t * e * h / suite["sol"]["tensor_flops"]) * 1e6
+            print(f"{c['name']:<8} T {t:5d}: {(read + write) / 1e6:6.1f} MB, SOL {sol:5.2f} us")
+        return
+    load_torch()
     rows = []
     print(f"{'case':<8} {'T':>5} {'ours us':>8} {'ops':>4} {'copy us':>8} {'ours/copy':>9} "
           f"{'eager us':>9} {'eager ops':>9}")
