@@ -1,5 +1,5 @@
 // Host cost of one backward call, and of its parts: the C ABI call itself (moe_routing_backward,
-// GLM-4.5's shape in PyTorch's dtypes, checked device), and beside it what the driver alone
+// GLM-4.5's shape in PyTorch's dtypes, checked device; the forward's too), and beside it what the driver alone
 // charges for a launch of the same kind (an empty kernel with the fused backward's block, shared
 // memory and parameter size, with and without its launch attributes) and for one TMA
 // descriptor. Each figure: host µs per call over loops of calls queued behind a GPU spin, so
@@ -141,6 +141,34 @@ int main(int argc, char** argv) {
   b.flags = 0;
   printf("  moe_routing_backward (device asked)          %6.2f\n",
          host_us([&] { moe_routing_backward(&cfg, &b, s); }, s));
+  // The forward on the same x and w (GLM-4.5's groups: 8, top 4), its three outputs.
+  moe_routing_config fcfg = cfg;
+  fcfg.n_group = 8;
+  fcfg.topk_group = 4;
+  float *bias = nullptr, *weights = nullptr, *topk_scores = nullptr;
+  int32_t* fidx = nullptr;
+  CK(cudaMalloc(&bias, size_t(E) * 4));
+  CK(cudaMemset(bias, 0, size_t(E) * 4));
+  CK(cudaMalloc(&weights, size_t(T * K) * 4));
+  CK(cudaMalloc(&topk_scores, size_t(T * K) * 4));
+  CK(cudaMalloc(&fidx, size_t(T * K) * 4));
+  moe_routing_forward_args f{};
+  f.struct_size = sizeof(f);
+  f.tokens = T;
+  f.x = x, f.x_len = T * H;
+  f.w = w, f.w_len = E * H;
+  f.bias = bias, f.bias_len = E;
+  f.topk_idx = fidx, f.topk_idx_len = T * K;
+  f.topk_weights = weights, f.topk_weights_len = T * K;
+  f.topk_scores = topk_scores, f.topk_scores_len = T * K;
+  f.flags = MOE_ROUTING_FLAG_CHECKED_DEVICE;
+  f.device = device;
+  if ((status = moe_routing_forward(&fcfg, &f, s)) != MOE_ROUTING_SUCCESS) {
+    printf("moe_routing_forward: %s\n", moe_routing_status_string(status));
+    return 1;
+  }
+  printf("  moe_routing_forward (checked device)         %6.2f\n",
+         host_us([&] { moe_routing_forward(&fcfg, &f, s); }, s));
   printf("  moe_routing_backward_workspace_bytes         %6.2f\n",
          host_us([&] { (void)moe_routing_backward_workspace_bytes(&cfg, T); }, s, 4000));
 
