@@ -1,9 +1,9 @@
 // Host cost of one backward call, and of its parts: the C ABI call itself (moe_routing_backward,
-// GLM-4.5's shape in PyTorch's dtypes, checked device; the forward's too), and beside it what the driver alone
-// charges for a launch of the same kind (an empty kernel with the fused backward's block, shared
-// memory and parameter size, with and without its launch attributes) and for one TMA
-// descriptor. Each figure: host µs per call over loops of calls queued behind a GPU spin, so
-// that no call waits on the GPU; the median of 5 loops.
+// GLM-4.5's shape in PyTorch's dtypes, checked device; the forward's too), and beside it what
+// the driver alone charges for a launch of the same kind (an empty kernel with the fused
+// backward's block, shared memory and parameter size, with and without its launch attributes)
+// and for one TMA descriptor. Each figure: host µs per call over loops of calls queued behind a
+// GPU spin, so that no call waits on the GPU; the median of 5 loops.
 //
 //   launch_cost [T]        (default 2048)
 //
