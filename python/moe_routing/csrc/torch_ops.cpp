@@ -458,24 +458,30 @@ std::tuple<at::Tensor, at::Tensor> route_backward(
   return {grad_x, accumulate ? placeholder : grad_w};
 }
 
+// route_backward as a dispatcher handle, for the autograd kernels' calls of it.
+const c10::TypedOperatorHandle<decltype(route_backward)>& route_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_routing::route_backward", "")
+                             .typed<decltype(route_backward)>();
+  return op;
+}
+
 std::tuple<at::Tensor, at::Tensor> route_backward_autograd(
     c10::DispatchKeySet keys, const at::Tensor& x, const at::Tensor& weight,
     const at::Tensor& topk_idx, const at::Tensor& topk_scores,
     const at::Tensor& grad_topk_weights, int64_t n_group, int64_t topk_group,
     double routed_scaling_factor, bool norm_topk_prob, bool precise, bool grad_w_bf16,
     const std::optional<at::Tensor>& grad_w_out) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("moe_routing::route_backward", "")
-                             .typed<decltype(route_backward)>();
   const bool accumulate = grad_w_out.has_value() && grad_w_out->defined();
   TORCH_CHECK_VALUE(!(accumulate && grad_w_out->requires_grad() && at::GradMode::is_enabled()),
                     "grad_w_out: a tensor that requires grad cannot be accumulated into");
   std::tuple<at::Tensor, at::Tensor> out;
   {
     at::AutoDispatchBelowADInplaceOrView below;
-    out = op.redispatch(keys & c10::after_autograd_keyset, x, weight, topk_idx, topk_scores,
-                        grad_topk_weights, n_group, topk_group, routed_scaling_factor,
-                        norm_topk_prob, precise, grad_w_bf16, grad_w_out);
+    out = route_backward_op().redispatch(
+        keys & c10::after_autograd_keyset, x, weight, topk_idx, topk_scores, grad_topk_weights,
+        n_group, topk_group, routed_scaling_factor, norm_topk_prob, precise, grad_w_bf16,
+        grad_w_out);
   }
   if (torch::autograd::compute_requires_grad(x, weight, topk_scores, grad_topk_weights)) {
     auto node = std::shared_ptr<torch::autograd::NotImplemented>(
@@ -499,6 +505,8 @@ using torch::autograd::variable_list;
 
 class RouteFunction : public torch::autograd::Function<RouteFunction> {
  public:
+  static constexpr size_t kInputs = 12;  // forward's arguments after ctx: one gradient each
+
   // stats: route_with_stats (five outputs), else route (three).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
@@ -514,7 +522,6 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
     ctx->saved_data["scale"] = routed_scaling_factor;
     ctx->saved_data["norm"] = norm_topk_prob;
     ctx->saved_data["precise"] = precise;
-    ctx->saved_data["inputs"] = int64_t(12);
     variable_list fixed{out[0], out[2]};
     if (stats) fixed.insert(fixed.end(), {out[3], out[4]});
     ctx->mark_non_differentiable(fixed);
@@ -524,7 +531,7 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &idx = saved[2], &scores = saved[3];
-    variable_list result(size_t(ctx->saved_data["inputs"].toInt()));
+    variable_list result(kInputs);
     const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1);
     at::Tensor g = grads[1];
     if (!g.defined() || !(need_x || need_w)) return result;
@@ -534,13 +541,10 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
     g = g.contiguous();
     const bool precise = ctx->saved_data["precise"].toBool();
     const bool grad_w_bf16 = weight.scalar_type() == at::kBFloat16 && !precise;
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("moe_routing::route_backward", "")
-                               .typed<decltype(route_backward)>();
-    auto [grad_x, grad_w] =
-        op.call(x, weight, idx, scores, g, ctx->saved_data["n_group"].toInt(),
-                ctx->saved_data["topk_group"].toInt(), ctx->saved_data["scale"].toDouble(),
-                ctx->saved_data["norm"].toBool(), precise, grad_w_bf16, std::nullopt);
+    auto [grad_x, grad_w] = route_backward_op().call(
+        x, weight, idx, scores, g, ctx->saved_data["n_group"].toInt(),
+        ctx->saved_data["topk_group"].toInt(), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["norm"].toBool(), precise, grad_w_bf16, std::nullopt);
     if (need_x) result[0] = grad_x;
     if (need_w) result[1] = grad_w.scalar_type() == weight.scalar_type()
                                 ? grad_w
