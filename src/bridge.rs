@@ -31,6 +31,8 @@ pub(crate) mod ffi {
         /// Optional outputs: ptr 0 is off.
         scores: Buffer,
         expert_counts: Buffer,
+        /// moe_routing::DType of topk_idx (int32 or int64).
+        topk_idx_dtype: i32,
     }
 
     struct BackwardBuffers {

@@ -128,6 +128,9 @@ pub struct ForwardExtras<'a> {
     pub scores: Option<&'a mut CudaSlice<f32>>,
     /// Tokens routed to each expert [E], overwritten (correction-bias update).
     pub expert_counts: Option<&'a mut CudaSlice<i32>>,
+    /// The indices as int64 [tokens, K] (PyTorch's index dtype), written here instead of into
+    /// the `Routing`'s int32 `topk_idx`, which is then left untouched.
+    pub topk_idx_i64: Option<&'a mut CudaSlice<i64>>,
 }
 
 /// A validated router configuration; the entry point of the GPU API.
@@ -243,7 +246,10 @@ impl Router {
         need(x.len(), th, "x")?;
         need(w.len(), eh, "w")?;
         need(bias.len(), e, "bias")?;
-        need(out.topk_idx.len(), tk, "topk_idx")?;
+        match &extras.topk_idx_i64 {
+            Some(i) => need(i.len(), tk, "topk_idx_i64")?,
+            None => need(out.topk_idx.len(), tk, "topk_idx")?,
+        }
         need(out.topk_weights.len(), tk, "topk_weights")?;
         need(out.topk_scores.len(), tk, "topk_scores")?;
         if let Some(s) = &extras.scores {
@@ -263,16 +269,21 @@ impl Router {
             Some(c) => g.write(c, stream),
             None => off(),
         };
+        let (topk_idx, topk_idx_dtype) = match extras.topk_idx_i64 {
+            Some(i) => (g.write(i, stream), <i64 as Dtype>::CODE),
+            None => (g.write(&mut out.topk_idx, stream), <i32 as Dtype>::CODE),
+        };
         let bufs = ffi::ForwardBuffers {
             tokens: len_i64(tokens),
             x: g.read(x, stream),
             w: g.read(w, stream),
             bias: g.read(bias, stream),
-            topk_idx: g.write(&mut out.topk_idx, stream),
+            topk_idx,
             topk_weights: g.write(&mut out.topk_weights, stream),
             topk_scores: g.write(&mut out.topk_scores, stream),
             scores,
             expert_counts,
+            topk_idx_dtype,
         };
         // SAFETY: every buffer is a live allocation of the stated length, kept alive (and
         // ordered on `stream`) by the guards until after the launch is enqueued.

@@ -49,6 +49,8 @@ struct ForwardArgs {
     expert_counts_len: i64,
     flags: u32,
     device: i32,
+    topk_idx_dtype: i32,
+    reserved2: u32,
 }
 
 #[repr(C)]
@@ -151,6 +153,8 @@ fn forward_args() -> ForwardArgs {
         expert_counts_len: 0,
         flags: 0,
         device: 0,
+        topk_idx_dtype: 0,
+        reserved2: 0,
     }
 }
 
@@ -203,7 +207,8 @@ fn layout_matches_the_header() {
     assert_eq!(size_of::<Config>(), 56);
     assert_eq!(offset_of!(Config, hidden_size), 8);
     assert_eq!(offset_of!(Config, routed_scaling_factor), 48);
-    assert_eq!(size_of::<ForwardArgs>(), 152);
+    assert_eq!(size_of::<ForwardArgs>(), 160);
+    assert_eq!(offset_of!(ForwardArgs, topk_idx_dtype), 152); // MOE_ROUTING_FORWARD_ARGS_SIZE_V3
     assert_eq!(offset_of!(ForwardArgs, flags), 144); // MOE_ROUTING_FORWARD_ARGS_SIZE_V2
     assert_eq!(offset_of!(ForwardArgs, topk_scores_len), 104);
     assert_eq!(offset_of!(ForwardArgs, scores), 112); // MOE_ROUTING_FORWARD_ARGS_SIZE_V1
@@ -339,6 +344,61 @@ fn first_release_forward_args_are_accepted() {
     };
     let got = unsafe { moe_routing_forward(&c, &v1, null_mut()) };
     assert!(got != INVALID_CONFIG && got != BUFFER_TOO_SMALL, "{got}");
+}
+
+#[test]
+fn forward_index_dtype() {
+    // int32 (declared) or int64 indices; an index buffer's capacity counts in its own elements,
+    // its alignment is its element's; any other dtype, or a nonzero reserved2, is an invalid
+    // config; a third-release struct (before the dtype) reads int32.
+    let c = glm();
+    let (h, e) = (c.hidden_size, c.n_routed_experts);
+    // (Aligned addresses that are never read: the host checks look at pointers and lengths.)
+    let base = ForwardArgs {
+        tokens: 1,
+        x: 0x10000 as *const u16,
+        x_len: h,
+        w: 0x20000 as *const u16,
+        w_len: e * h,
+        bias: 0x30000 as *const f32,
+        bias_len: e,
+        topk_idx: 0x40000 as *mut i32,
+        topk_idx_len: 4,
+        ..forward_args()
+    };
+    for dtype in [2, 5, -1] {
+        let f = ForwardArgs {
+            topk_idx_dtype: dtype,
+            ..base
+        };
+        let got = unsafe { moe_routing_forward(&c, &f, null_mut()) };
+        assert_eq!(got, INVALID_CONFIG, "dtype {dtype}");
+    }
+    let f = ForwardArgs {
+        reserved2: 1,
+        ..base
+    };
+    assert_eq!(
+        unsafe { moe_routing_forward(&c, &f, null_mut()) },
+        INVALID_CONFIG
+    );
+    // K = 8 needs 8 indices: 4 are too few whatever their dtype (checked before the device).
+    for dtype in [0, 3, 4] {
+        let f = ForwardArgs {
+            topk_idx_dtype: dtype,
+            ..base
+        };
+        let got = unsafe { moe_routing_forward(&c, &f, null_mut()) };
+        assert_eq!(got, BUFFER_TOO_SMALL, "dtype {dtype}");
+    }
+    let v3 = ForwardArgs {
+        struct_size: 152,
+        topk_idx_dtype: 99,
+        reserved2: 7,
+        ..base
+    };
+    let got = unsafe { moe_routing_forward(&c, &v3, null_mut()) };
+    assert_eq!(got, BUFFER_TOO_SMALL, "third-release struct: {got}");
 }
 
 /// Valid backward arguments in host memory for `tokens` tokens (a device-pass error at most).

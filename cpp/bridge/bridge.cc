@@ -43,7 +43,8 @@ int32_t router_forward(const Config& cfg, const ForwardBuffers& b, uint64_t stre
     a.x = span<const uint16_t>(b.x);
     a.w = span<const uint16_t>(b.w);
     a.bias = span<const float>(b.bias);
-    a.topk_idx = span<int32_t>(b.topk_idx);
+    a.topk_idx = DeviceOutput(reinterpret_cast<void*>(static_cast<uintptr_t>(b.topk_idx.ptr)),
+                              b.topk_idx.len, static_cast<DType>(b.topk_idx_dtype));
     a.topk_weights = span<float>(b.topk_weights);
     a.topk_scores = span<float>(b.topk_scores);
     a.scores = span<float>(b.scores);

@@ -13,7 +13,7 @@ struct ForwardParams {
   const __nv_bfloat16* x;  // [T, H]
   const __nv_bfloat16* w;  // [E, H]
   const float* bias;       // [E]
-  int32_t* topk_idx;       // [T, K]
+  void* topk_idx;          // [T, K] int32, or int64 where idx_i64
   float* topk_weights;     // [T, K]
   float* topk_scores;      // [T, K]
   float* scores;           // [T, E] or null
@@ -22,6 +22,7 @@ struct ForwardParams {
   int hidden, experts, top_k, n_group, topk_group;
   float scale;
   bool norm;
+  bool idx_i64 = false;
 };
 
 // One token's routing by one warp (all 32 lanes), from score[e] = sigmoid(logit) and
@@ -77,7 +78,8 @@ __device__ __forceinline__ void route_token_warp(const ForwardParams& p, int64_t
   wgt *= p.scale;
   if (active) {
     int64_t o = t * p.top_k + lane;
-    p.topk_idx[o] = my_idx;
+    if (p.idx_i64) static_cast<int64_t*>(p.topk_idx)[o] = my_idx;
+    else static_cast<int32_t*>(p.topk_idx)[o] = my_idx;
     p.topk_weights[o] = wgt;
     p.topk_scores[o] = s;
     if (p.counts) atomicAdd(p.counts + my_idx, 1);

@@ -18,7 +18,10 @@ static_assert(sizeof(moe_routing_config) == 56, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, hidden_size) == 8, "moe_routing_config layout");
 static_assert(offsetof(moe_routing_config, routed_scaling_factor) == 48,
               "moe_routing_config layout");
-static_assert(sizeof(moe_routing_forward_args) == 152, "moe_routing_forward_args layout");
+static_assert(sizeof(moe_routing_forward_args) == 160, "moe_routing_forward_args layout");
+static_assert(offsetof(moe_routing_forward_args, topk_idx_dtype) ==
+                  MOE_ROUTING_FORWARD_ARGS_SIZE_V3,
+              "moe_routing_forward_args: the index dtype appended to the third release's struct");
 static_assert(offsetof(moe_routing_forward_args, flags) == MOE_ROUTING_FORWARD_ARGS_SIZE_V2,
               "moe_routing_forward_args: flags appended to the second release's struct");
 static_assert(offsetof(moe_routing_forward_args, scores) == MOE_ROUTING_FORWARD_ARGS_SIZE_V1,
@@ -87,30 +90,6 @@ bool to_checked_device(uint32_t flags, int32_t device, int* out) {
   return true;
 }
 
-Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* out) {
-  if (a == nullptr) return Status::kNullPointer;
-  const bool v1 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V1;
-  const bool v2 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V2;
-  if ((!v1 && !v2 && a->struct_size != sizeof(moe_routing_forward_args)) || a->reserved != 0)
-    return Status::kInvalidConfig;
-  moe_routing::ForwardArgs f;
-  if (!v1 && !v2 && !to_checked_device(a->flags, a->device, &f.checked_device))
-    return Status::kInvalidConfig;
-  f.tokens = a->tokens;
-  f.x = {a->x, a->x_len};
-  f.w = {a->w, a->w_len};
-  f.bias = {a->bias, a->bias_len};
-  f.topk_idx = {a->topk_idx, a->topk_idx_len};
-  f.topk_weights = {a->topk_weights, a->topk_weights_len};
-  f.topk_scores = {a->topk_scores, a->topk_scores_len};
-  if (!v1) {  // a first-release caller's struct ends before these fields
-    f.scores = {a->scores, a->scores_len};
-    f.expert_counts = {a->expert_counts, a->expert_counts_len};
-  }
-  *out = f;
-  return Status::kSuccess;
-}
-
 // A dtype field: DECLARED gives `declared`; else one of `allowed`.
 bool to_dtype(int32_t v, moe_routing::DType declared, moe_routing::DType also,
               moe_routing::DType* out) {
@@ -128,6 +107,39 @@ bool to_dtype(int32_t v, moe_routing::DType declared, moe_routing::DType also,
   *out = t;
   return true;
 }
+
+Status to_forward(const moe_routing_forward_args* a, moe_routing::ForwardArgs* out) {
+  if (a == nullptr) return Status::kNullPointer;
+  const bool v1 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V1;
+  const bool v2 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V2;
+  const bool v3 = a->struct_size == MOE_ROUTING_FORWARD_ARGS_SIZE_V3;
+  if ((!v1 && !v2 && !v3 && a->struct_size != sizeof(moe_routing_forward_args)) ||
+      a->reserved != 0)
+    return Status::kInvalidConfig;
+  moe_routing::ForwardArgs f;
+  if (!v1 && !v2 && !to_checked_device(a->flags, a->device, &f.checked_device))
+    return Status::kInvalidConfig;
+  // An earlier caller's struct ends before the index dtype: int32, its declared one.
+  moe_routing::DType idx_t = moe_routing::DType::kI32;
+  if (!v1 && !v2 && !v3 &&
+      (!to_dtype(a->topk_idx_dtype, moe_routing::DType::kI32, moe_routing::DType::kI64, &idx_t) ||
+       a->reserved2 != 0))
+    return Status::kInvalidConfig;
+  f.tokens = a->tokens;
+  f.x = {a->x, a->x_len};
+  f.w = {a->w, a->w_len};
+  f.bias = {a->bias, a->bias_len};
+  f.topk_idx = {a->topk_idx, a->topk_idx_len, idx_t};
+  f.topk_weights = {a->topk_weights, a->topk_weights_len};
+  f.topk_scores = {a->topk_scores, a->topk_scores_len};
+  if (!v1) {  // a first-release caller's struct ends before these fields
+    f.scores = {a->scores, a->scores_len};
+    f.expert_counts = {a->expert_counts, a->expert_counts_len};
+  }
+  *out = f;
+  return Status::kSuccess;
+}
+
 
 Status to_backward(const moe_routing_backward_args* a, moe_routing::BackwardArgs* out) {
   using moe_routing::DType;

@@ -53,6 +53,7 @@ Status launch(const RouterConfig& cfg, const ForwardArgs& a, int device, const F
                                    cfg.hidden_size);
   p.bias = a.bias.data;
   p.topk_idx = a.topk_idx.data;
+  p.idx_i64 = a.topk_idx.dtype == DType::kI64;
   p.topk_weights = a.topk_weights.data;
   p.topk_scores = a.topk_scores.data;
   p.scores = a.scores.data;

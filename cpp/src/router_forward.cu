@@ -26,6 +26,7 @@ Status router_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStream_
   p.w = reinterpret_cast<const __nv_bfloat16*>(a.w.data);
   p.bias = a.bias.data;
   p.topk_idx = a.topk_idx.data;
+  p.idx_i64 = a.topk_idx.dtype == DType::kI64;
   p.topk_weights = a.topk_weights.data;
   p.topk_scores = a.topk_scores.data;
   p.scores = a.scores.data;

@@ -144,13 +144,15 @@ Status validate_forward(const RouterConfig& cfg, const ForwardArgs& a, cudaStrea
                         int* device) {
   MOE_CHECK(validate_config(cfg));
   MOE_CHECK(check_tokens(cfg, a.tokens));
+  if (a.topk_idx.dtype != DType::kI32 && a.topk_idx.dtype != DType::kI64)
+    return Status::kInvalidConfig;
   const int64_t T = a.tokens, H = cfg.hidden_size, E = cfg.n_routed_experts,
                 K = cfg.num_experts_per_tok;
   const Buffer buffers[] = {
       {a.x.data, a.x.len, T * H, 16},
       {a.w.data, a.w.len, T ? E * H : 0, 16},
       {a.bias.data, a.bias.len, T ? E : 0, 4},
-      {a.topk_idx.data, a.topk_idx.len, T * K, 4},
+      {a.topk_idx.data, a.topk_idx.len, T * K, dtype_bytes(a.topk_idx.dtype)},
       {a.topk_weights.data, a.topk_weights.len, T * K, 4},
       {a.topk_scores.data, a.topk_scores.len, T * K, 4},
       {a.scores.data, a.scores.len, a.scores.data ? T * E : 0, 4},

@@ -1,7 +1,7 @@
 """ctypes binding of the stable C ABI (``cpp/include/moe_routing/moe_routing.h``).
 
 The structs below mirror the header field by field; their sizes are asserted against the
-header's ``static_assert``s (56, 152 and 192 bytes). The library is found and loaded on first
+header's ``static_assert``s (56, 160 and 192 bytes). The library is found and loaded on first
 use (:func:`load`), so importing the package needs neither the library nor a GPU.
 
 Lookup order:
@@ -85,8 +85,8 @@ class MoeRoutingConfig(ctypes.Structure):
 
 
 class MoeRoutingForwardArgs(ctypes.Structure):
-    """``moe_routing_forward_args`` (152 bytes; the first 112 are the first release's, the
-    first 144 the second's)."""
+    """``moe_routing_forward_args`` (160 bytes; the first 112 are the first release's, the
+    first 144 the second's, the first 152 the third's)."""
 
     _fields_ = [
         ("struct_size", c_uint32),
@@ -110,6 +110,8 @@ class MoeRoutingForwardArgs(ctypes.Structure):
         ("expert_counts_len", c_int64),
         ("flags", c_uint32),
         ("device", c_int32),
+        ("topk_idx_dtype", c_int32),  # 0: int32; DTYPE_I64: topk_idx points to int64
+        ("reserved2", c_uint32),
     ]
 
 
@@ -155,7 +157,8 @@ assert ctypes.sizeof(c_void_p) == 8, "the C ABI is defined for 64-bit targets"
 assert ctypes.sizeof(MoeRoutingConfig) == 56, "moe_routing_config layout"
 assert MoeRoutingConfig.hidden_size.offset == 8, "moe_routing_config layout"
 assert MoeRoutingConfig.routed_scaling_factor.offset == 48, "moe_routing_config layout"
-assert ctypes.sizeof(MoeRoutingForwardArgs) == 152, "moe_routing_forward_args layout"
+assert ctypes.sizeof(MoeRoutingForwardArgs) == 160, "moe_routing_forward_args layout"
+assert MoeRoutingForwardArgs.topk_idx_dtype.offset == 152, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.tokens.offset == 8, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.topk_scores_len.offset == 104, "moe_routing_forward_args layout"
 assert MoeRoutingForwardArgs.scores.offset == 112, "moe_routing_forward_args layout"

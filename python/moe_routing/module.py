@@ -323,12 +323,13 @@ def _route_tokens(hidden_states: Tensor, weight: Tensor, bias: Tensor, top_k: in
         x = hidden_states.to(torch.bfloat16).contiguous()
         args = (x, w.contiguous(), bias.contiguous(), top_k, n_group, topk_group,
                 routed_scaling_factor, norm_topk_prob, precise)
+        # (int64 indices from the kernel itself: no conversion after it.)
         if not stats:
-            topk_idx, topk_weights, _ = torch.ops.moe_routing.route(*args)
-            return topk_weights, topk_idx.to(torch.int64), None, None
+            topk_idx, topk_weights, _ = torch.ops.moe_routing.route(*args, True)
+            return topk_weights, topk_idx, None, None
         topk_idx, topk_weights, _, scores, counts = torch.ops.moe_routing.route_with_stats(
-            *args, return_scores, return_counts)
-        return (topk_weights, topk_idx.to(torch.int64), scores if return_scores else None,
+            *args, return_scores, return_counts, True)
+        return (topk_weights, topk_idx, scores if return_scores else None,
                 counts if return_counts else None)
     topk_idx, topk_weights, _, scores, counts = reference.route_with_stats(
         hidden_states, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,

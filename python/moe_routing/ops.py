@@ -332,16 +332,17 @@ def _spans(**tensors: Tensor) -> dict:
 
 
 def _forward(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
-             return_scores, return_counts):
+             return_scores, return_counts, int64_indices=False):
     """route's work: ``(topk_idx, topk_weights, topk_scores, scores, expert_counts)``, the last
-    two None unless asked for."""
+    two None unless asked for; ``topk_idx`` int64 with ``int64_indices``, else int32."""
     _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     _check_devices(x.device, weight=weight, bias=bias)
     T, H = x.shape
     E = weight.shape[0]
     K = top_k
     _need(T <= MAX_TOKENS, f"at most {MAX_TOKENS} tokens are supported, got {T}")
-    topk_idx = torch.empty((T, K), dtype=torch.int32, device=x.device)
+    topk_idx = torch.empty((T, K), dtype=torch.int64 if int64_indices else torch.int32,
+                           device=x.device)
     topk_weights = torch.empty((T, K), dtype=torch.float32, device=x.device)
     topk_scores = torch.empty((T, K), dtype=torch.float32, device=x.device)
     scores = torch.empty((T, E), dtype=torch.float32, device=x.device) if return_scores else None
@@ -355,7 +356,7 @@ def _forward(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
     x = _aligned(x, 16)
     w = _aligned(w, 16)
     cfg = _lib.make_config(H, E, K, n_group, topk_group, routed_scaling_factor, norm_topk_prob)
-    outputs = dict(topk_idx=topk_idx, topk_weights=topk_weights, topk_scores=topk_scores)
+    outputs = dict(topk_weights=topk_weights, topk_scores=topk_scores)
     if scores is not None:
         outputs["scores"] = scores
     if counts is not None:
@@ -365,8 +366,13 @@ def _forward(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
         reserved=0,
         tokens=T,
         **_spans(x=x, w=w, bias=bias, **outputs),
+        # (A pointer of the declared type; topk_idx_dtype says what it holds.)
+        topk_idx=_lib.ptr(topk_idx.data_ptr(), ctypes.c_int32),
+        topk_idx_len=topk_idx.numel(),
         flags=0,
         device=0,
+        topk_idx_dtype=_DTYPES[topk_idx.dtype],
+        reserved2=0,
     )
     with torch.cuda.device(x.device):
         status = lib.moe_routing_forward(ctypes.byref(cfg), ctypes.byref(args), _stream(x.device))
@@ -384,6 +390,7 @@ def route(
     routed_scaling_factor: float,
     norm_topk_prob: bool,
     precise_backward: bool = False,
+    int64_indices: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Grouped top-k routing of ``x`` [T, H] bf16 by ``weight`` [E, H] and ``bias`` [E] f32.
 
@@ -391,20 +398,21 @@ def route(
     kernel's f32 ``grad_w`` as is). Returns ``topk_idx`` [T, K] int32 (best first),
     ``topk_weights`` [T, K] f32 and ``topk_scores`` [T, K] f32 (the sigmoid scores of the chosen
     experts). Only ``topk_weights`` is differentiable; ``precise_backward`` makes the
-    backward's ``grad_w`` fp32-accurate (a second pass over x).
+    backward's ``grad_w`` fp32-accurate (a second pass over x). ``int64_indices``: the kernel
+    writes ``topk_idx`` as int64, PyTorch's index dtype.
     """
     topk_idx, topk_weights, topk_scores, _, _ = _forward(
         x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
-        False, False)
+        False, False, int64_indices)
     return topk_idx, topk_weights, topk_scores
 
 
 def _route_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
-                norm_topk_prob, precise_backward=False):
+                norm_topk_prob, precise_backward=False, int64_indices=False):
     _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     T = x.shape[0]
     return (
-        x.new_empty((T, top_k), dtype=torch.int32),
+        x.new_empty((T, top_k), dtype=torch.int64 if int64_indices else torch.int32),
         x.new_empty((T, top_k), dtype=torch.float32),
         x.new_empty((T, top_k), dtype=torch.float32),
     )
@@ -422,17 +430,19 @@ def route_with_stats(
     precise_backward: bool = False,
     return_scores: bool = False,
     return_counts: bool = False,
+    int64_indices: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``route``, with two more outputs filled in by the same kernel call: ``scores`` [T, E]
     f32, every expert's sigmoid score (no bias), with ``return_scores``, and
     ``expert_counts`` [E] int32, the number of tokens routed to each expert, with
-    ``return_counts``. An output not asked for is an empty tensor (shape [0]). Returns
-    ``(topk_idx, topk_weights, topk_scores, scores, expert_counts)``; as in ``route``, only
-    ``topk_weights`` is differentiable.
+    ``return_counts``. An output not asked for is an empty tensor (shape [0]). With
+    ``int64_indices`` the kernel writes ``topk_idx`` as int64, PyTorch's index dtype (no
+    conversion after it). Returns ``(topk_idx, topk_weights, topk_scores, scores,
+    expert_counts)``; as in ``route``, only ``topk_weights`` is differentiable.
     """
     topk_idx, topk_weights, topk_scores, scores, counts = _forward(
         x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob,
-        return_scores, return_counts)
+        return_scores, return_counts, int64_indices)
     if scores is None:
         scores = torch.empty((0,), dtype=torch.float32, device=x.device)
     if counts is None:
@@ -442,12 +452,12 @@ def route_with_stats(
 
 def _route_with_stats_fake(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
                            norm_topk_prob, precise_backward=False, return_scores=False,
-                           return_counts=False):
+                           return_counts=False, int64_indices=False):
     _check_route(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor)
     T = x.shape[0]
     E = weight.shape[0]
     return (
-        x.new_empty((T, top_k), dtype=torch.int32),
+        x.new_empty((T, top_k), dtype=torch.int64 if int64_indices else torch.int32),
         x.new_empty((T, top_k), dtype=torch.float32),
         x.new_empty((T, top_k), dtype=torch.float32),
         x.new_empty((T, E) if return_scores else (0,), dtype=torch.float32),

@@ -101,7 +101,8 @@ def test_struct_layout_matches_the_header():
     assert _lib.MoeRoutingConfig.hidden_size.offset == 8
     assert _lib.MoeRoutingConfig.routed_scaling_factor.offset == 48
     assert _lib.MoeRoutingConfig.reserved.offset == 52
-    assert ctypes.sizeof(_lib.MoeRoutingForwardArgs) == 152
+    assert ctypes.sizeof(_lib.MoeRoutingForwardArgs) == 160
+    assert _lib.MoeRoutingForwardArgs.topk_idx_dtype.offset == 152  # ..._FORWARD_ARGS_SIZE_V3
     assert _lib.MoeRoutingForwardArgs.tokens.offset == 8
     assert _lib.MoeRoutingForwardArgs.topk_scores_len.offset == 104
     assert _lib.MoeRoutingForwardArgs.scores.offset == 112  # MOE_ROUTING_FORWARD_ARGS_SIZE_V1
@@ -296,6 +297,21 @@ def test_meta_autograd_tracks_only_what_needs_a_gradient():
     assert gx.requires_grad and gw.requires_grad
     with pytest.raises(RuntimeError, match="not implemented"):
         torch.autograd.grad(gx.float().sum(), (g,))
+
+
+def test_int64_indices_on_meta():
+    # int64_indices: the kernel writes the indices as int64; the rest is as with int32 (the
+    # backward takes either).
+    c = CONFIGS["small"]
+    x = torch.empty(9, c.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(c.n_routed_experts, c.hidden_size, device="meta", requires_grad=True)
+    b = torch.empty(c.n_routed_experts, device="meta")
+    idx, weights, _ = torch.ops.moe_routing.route(x, w, b, *op_args(c), False, True)
+    assert (idx.shape, idx.dtype) == ((9, c.num_experts_per_tok), torch.int64)
+    weights.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    out = torch.ops.moe_routing.route_with_stats(x, w, b, *op_args(c), False, True, True, True)
+    assert out[0].dtype == torch.int64 and out[4].dtype == torch.int32
 
 
 def test_fake_tracing_of_forward_and_backward():
@@ -613,6 +629,20 @@ def test_gradients_match_reference(name, precise):
     (ref_w * g.double()).sum().backward()
     assert R.rel_err(xk.grad, xr.grad) <= 1e-2
     assert R.rel_err(wk.grad, wr.grad) <= (1e-4 if precise else 5e-3)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_int64_indices_equal_int32_ones(name):
+    c = CONFIGS[name]
+    x, w, b = inputs(c, 300, "cuda", seed=3)
+    args = (x, w, b, *op_args(c), False)
+    idx32, weights32, scores32 = torch.ops.moe_routing.route(*args)
+    idx64, weights64, scores64 = torch.ops.moe_routing.route(*args, True)
+    assert idx64.dtype == torch.int64 and torch.equal(idx64, idx32.long())
+    assert torch.equal(weights64, weights32) and torch.equal(scores64, scores32)
+    out = torch.ops.moe_routing.route_with_stats(*args, True, True, True)
+    assert out[0].dtype == torch.int64 and torch.equal(out[0], idx32.long())
 
 
 @needs_gpu

@@ -320,6 +320,7 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
         let extras = ForwardExtras {
             scores: Some(&mut scores),
             expert_counts: Some(&mut counts),
+            ..Default::default()
         };
         router
             .forward_with(s, tokens, &x, &w, &bias, &mut out, extras)
@@ -338,6 +339,33 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
             bits(&sc),
             bits(&plain.scores),
             "{label}: topk_scores with extras"
+        );
+        // The indices as int64 (PyTorch's dtype) instead: the same values and outputs, the
+        // int32 buffer untouched.
+        let mut out64 = Routing {
+            topk_idx: poisoned(s, tokens * k),
+            topk_weights: poisoned(s, tokens * k),
+            topk_scores: poisoned(s, tokens * k),
+        };
+        let mut idx64 = poisoned::<i64>(s, tokens * k);
+        let extras = ForwardExtras {
+            topk_idx_i64: Some(&mut idx64),
+            ..Default::default()
+        };
+        router
+            .forward_with(s, tokens, &x, &w, &bias, &mut out64, extras)
+            .unwrap();
+        s.synchronize().unwrap();
+        let want64: Vec<i64> = plain.idx.iter().map(|&i| i64::from(i)).collect();
+        assert_eq!(download(s, &idx64), want64, "{label}: topk_idx as int64");
+        assert!(
+            download(s, &out64.topk_idx).iter().all(|&v| v == -1),
+            "{label}: the int32 indices written beside the int64 ones"
+        );
+        assert_eq!(
+            bits(&download(s, &out64.topk_weights)),
+            bits(&plain.weights),
+            "{label}: topk_weights with int64 indices"
         );
         let full = download(s, &scores);
         let cnt = download(s, &counts);

@@ -108,11 +108,13 @@ typedef struct moe_routing_config {
   uint32_t reserved;             /* 0 */
 } moe_routing_config;
 
-/* Forward inputs and outputs (moe_routing::ForwardArgs). 152 bytes; its first 112 bytes are
+/* Forward inputs and outputs (moe_routing::ForwardArgs). 160 bytes; its first 112 bytes are
  * the struct as first released (MOE_ROUTING_FORWARD_ARGS_SIZE_V1), its first 144 the second
- * (MOE_ROUTING_FORWARD_ARGS_SIZE_V2), both still accepted. */
+ * (MOE_ROUTING_FORWARD_ARGS_SIZE_V2), its first 152 the third (MOE_ROUTING_FORWARD_ARGS_SIZE_V3),
+ * all still accepted. */
 #define MOE_ROUTING_FORWARD_ARGS_SIZE_V1 112
 #define MOE_ROUTING_FORWARD_ARGS_SIZE_V2 144
+#define MOE_ROUTING_FORWARD_ARGS_SIZE_V3 152
 typedef struct moe_routing_forward_args {
   uint32_t struct_size; /* sizeof(moe_routing_forward_args) */
   uint32_t reserved;    /* 0 */
@@ -137,6 +139,10 @@ typedef struct moe_routing_forward_args {
   /* Appended after the second release. */
   uint32_t flags;            /* MOE_ROUTING_FLAG_*; 0: none */
   int32_t device;            /* with MOE_ROUTING_FLAG_CHECKED_DEVICE: the buffers' device */
+  /* Appended after the third release. */
+  int32_t topk_idx_dtype;    /* DECLARED (int32) or I64 (PyTorch's index dtype): the type
+                                topk_idx points to */
+  uint32_t reserved2;        /* 0 */
 } moe_routing_forward_args;
 
 /* Backward inputs and outputs (moe_routing::BackwardArgs). 192 bytes; its first 152 bytes are

@@ -69,39 +69,6 @@ struct DeviceSpan {
   int64_t len = 0;
 };
 
-struct ForwardArgs {
-  int64_t tokens = 0;
-  DeviceSpan<const uint16_t> x;  // bf16 bits
-  DeviceSpan<const uint16_t> w;  // bf16 bits
-  DeviceSpan<const float> bias;
-  DeviceSpan<int32_t> topk_idx;
-  DeviceSpan<float> topk_weights;
-  DeviceSpan<float> topk_scores;
-  // Optional outputs, off while `data` is null (they cost bytes): the full sigmoid scores
-  // [T, E] and the per-expert token counts [E] (overwritten, exact integers).
-  DeviceSpan<float> scores;
-  DeviceSpan<int32_t> expert_counts;
-  // >= 0: the caller has checked that every buffer is device memory of this CUDA device and
-  // that the stream belongs to it, and the library skips its own per-buffer runtime queries
-  // (host time); the other checks still run. A false claim is undefined behaviour. -1: checked
-  // here.
-  int checked_device = -1;
-};
-
-// Forward selection semantics (every path): experts rank by score + bias, larger first; equal
-// values rank the lower expert index first; NaN ranks below every number (so a NaN is never
-// chosen over a finite value, and a token whose scores are all NaN still gets K distinct
-// indices, the lowest of its kept groups). Groups rank the same way by their top-2 sum.
-
-enum class Precision : int32_t {
-  kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation
-  kPrecise = 1,  // fp32-accurate grad_w; grad_x within its bf16 output rounding
-  // The routing gradient rounded to bf16 after every elementwise step, in the order of the
-  // eager bf16 PyTorch composition (README: numerics), so that results match that composition
-  // up to the GEMMs' accumulation order. Less exact than kDefault.
-  kTorchBf16 = 2,
-};
-
 // Element type of a buffer that may come in more than one.
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kI32 = 2, kI64 = 3 };
 
@@ -137,6 +104,39 @@ struct DeviceTensor {
 };
 using DeviceInput = DeviceTensor<const void>;
 using DeviceOutput = DeviceTensor<void>;
+
+struct ForwardArgs {
+  int64_t tokens = 0;
+  DeviceSpan<const uint16_t> x;  // bf16 bits
+  DeviceSpan<const uint16_t> w;  // bf16 bits
+  DeviceSpan<const float> bias;
+  DeviceOutput topk_idx;  // [T, K] kI32, or kI64 (as PyTorch keeps indices)
+  DeviceSpan<float> topk_weights;
+  DeviceSpan<float> topk_scores;
+  // Optional outputs, off while `data` is null (they cost bytes): the full sigmoid scores
+  // [T, E] and the per-expert token counts [E] (overwritten, exact integers).
+  DeviceSpan<float> scores;
+  DeviceSpan<int32_t> expert_counts;
+  // >= 0: the caller has checked that every buffer is device memory of this CUDA device and
+  // that the stream belongs to it, and the library skips its own per-buffer runtime queries
+  // (host time); the other checks still run. A false claim is undefined behaviour. -1: checked
+  // here.
+  int checked_device = -1;
+};
+
+// Forward selection semantics (every path): experts rank by score + bias, larger first; equal
+// values rank the lower expert index first; NaN ranks below every number (so a NaN is never
+// chosen over a finite value, and a token whose scores are all NaN still gets K distinct
+// indices, the lowest of its kept groups). Groups rank the same way by their top-2 sum.
+
+enum class Precision : int32_t {
+  kDefault = 0,  // routing gradient enters the tensor cores as bf16, fp32 accumulation
+  kPrecise = 1,  // fp32-accurate grad_w; grad_x within its bf16 output rounding
+  // The routing gradient rounded to bf16 after every elementwise step, in the order of the
+  // eager bf16 PyTorch composition (README: numerics), so that results match that composition
+  // up to the GEMMs' accumulation order. Less exact than kDefault.
+  kTorchBf16 = 2,
+};
 
 struct BackwardArgs {
   int64_t tokens = 0;

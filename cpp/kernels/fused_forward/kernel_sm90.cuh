@@ -55,7 +55,8 @@ struct Params {
   TmaX tma_x;  // x as (T, H)
   TmaW tma_w;  // w as (E, H)
   const float* bias = nullptr;
-  int32_t* topk_idx = nullptr;
+  void* topk_idx = nullptr;  // [T, K] int32, or int64 where idx_i64
+  bool idx_i64 = false;
   float* topk_weights = nullptr;
   float* topk_scores = nullptr;
   float* scores = nullptr;   // [T, E] or null
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   MOE_ROUTING_TRACE(ct == 0, 6);
 
   const RouteOut out{p.topk_idx, p.topk_weights, p.topk_scores, p.scores,
-                     p.counts ? smem.counts : nullptr};
+                     p.counts ? smem.counts : nullptr, p.idx_i64};
   if (thread_route) {
     // The scores are in place (from the accumulators or the split sum, bias loaded before the
     // main loop, both before the barrier above); without a split, the optional full-scores

@@ -24,11 +24,16 @@ __device__ __forceinline__ float topk_weight(float score, float sum, const Route
 
 // Outputs of one token; `scores` (T × E) and `counts` (shared, E) may be null.
 struct RouteOut {
-  int32_t* topk_idx;
+  void* topk_idx;  // [T, K] int32, or int64 where idx_i64
   float* topk_weights;
   float* topk_scores;
   float* scores;
   int* counts;
+  bool idx_i64;
+  __device__ __forceinline__ void store_idx(int64_t o, int e) const {
+    if (idx_i64) static_cast<int64_t*>(topk_idx)[o] = e;
+    else static_cast<int32_t*>(topk_idx)[o] = e;
+  }
 };
 
 template <int kWidth>
@@ -203,7 +208,7 @@ struct TokenRoute {
         if (k < p.top_k) {
           const float s = sel_score[u][j];
           const int64_t o = t[u] * p.top_k + k;
-          out.topk_idx[o] = sel_idx[u][j];
+          out.store_idx(o, sel_idx[u][j]);
           out.topk_weights[o] = topk_weight(s, sum[u], p);
           out.topk_scores[o] = s;
           if (out.counts) atomicAdd(out.counts + sel_idx[u][j], 1);

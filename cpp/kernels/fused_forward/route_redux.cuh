@@ -173,7 +173,7 @@ struct ReduxRoute {
       for (int j = 0; j < p.top_k; ++j) sum += __shfl_sync(kFull, sel, j);
       if (valid[u] && lane < p.top_k) {
         const int64_t o = t[u] * p.top_k + lane;
-        out.topk_idx[o] = idx[u];
+        out.store_idx(o, idx[u]);
         out.topk_weights[o] = topk_weight(sel, sum, p);
         out.topk_scores[o] = sel;
         if (out.counts) atomicAdd(out.counts + idx[u], 1);

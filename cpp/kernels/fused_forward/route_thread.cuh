@@ -228,7 +228,7 @@ struct ThreadRoute {
     constexpr int kPerLane = kMaxTopK / kLanes;
     if constexpr (kPerLane == 4 || kPerLane == 2) {
       constexpr uintptr_t kAlign = kPerLane * 4 - 1;
-      if (p.top_k == kMaxTopK && ((reinterpret_cast<uintptr_t>(out.topk_idx) |
+      if (p.top_k == kMaxTopK && !out.idx_i64 && ((reinterpret_cast<uintptr_t>(out.topk_idx) |
                                    reinterpret_cast<uintptr_t>(out.topk_weights) |
                                    reinterpret_cast<uintptr_t>(out.topk_scores)) & kAlign) == 0) {
         int iv[kPerLane];
@@ -247,11 +247,13 @@ struct ThreadRoute {
         for (int u = 0; u < kPerLane; ++u) wv[u] = weight(sv[u]);
         const int64_t o = t * kMaxTopK + sub * kPerLane;
         if constexpr (kPerLane == 4) {
-          *reinterpret_cast<int4*>(out.topk_idx + o) = make_int4(iv[0], iv[1], iv[2], iv[3]);
+          *reinterpret_cast<int4*>(static_cast<int32_t*>(out.topk_idx) + o) =
+              make_int4(iv[0], iv[1], iv[2], iv[3]);
           *reinterpret_cast<float4*>(out.topk_weights + o) = make_float4(wv[0], wv[1], wv[2], wv[3]);
           *reinterpret_cast<float4*>(out.topk_scores + o) = make_float4(sv[0], sv[1], sv[2], sv[3]);
         } else {
-          *reinterpret_cast<int2*>(out.topk_idx + o) = make_int2(iv[0], iv[1]);
+          *reinterpret_cast<int2*>(static_cast<int32_t*>(out.topk_idx) + o) =
+              make_int2(iv[0], iv[1]);
           *reinterpret_cast<float2*>(out.topk_weights + o) = make_float2(wv[0], wv[1]);
           *reinterpret_cast<float2*>(out.topk_scores + o) = make_float2(sv[0], sv[1]);
         }
@@ -267,7 +269,7 @@ struct ThreadRoute {
     for (int j = 0; j < kMaxTopK; ++j) {
       if (j < p.top_k && j % kLanes == sub) {
         const int64_t o = t * p.top_k + j;
-        out.topk_idx[o] = idx[j];
+        out.store_idx(o, idx[j]);
         out.topk_weights[o] = weight(sel[j]);
         out.topk_scores[o] = sel[j];
         if (out.counts) atomicAdd(out.counts + idx[j], 1);

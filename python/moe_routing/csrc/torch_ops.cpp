@@ -287,7 +287,7 @@ struct Routed {
 Routed route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                   int64_t top_k, int64_t n_group, int64_t topk_group,
                   double routed_scaling_factor, bool norm_topk_prob, bool return_scores,
-                  bool return_counts) {
+                  bool return_counts, bool int64_indices = false) {
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be [T, H], got shape ", py_tuple(x.sizes()));
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be [E, H], got shape ",
                     py_tuple(weight.sizes()));
@@ -303,7 +303,7 @@ Routed route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 
   const c10::cuda::CUDAGuard guard(x.device());
   Routed r;
-  r.topk_idx = at::empty({T, K}, x.options().dtype(at::kInt));
+  r.topk_idx = at::empty({T, K}, x.options().dtype(int64_indices ? at::kLong : at::kInt));
   r.topk_weights = at::empty({T, K}, x.options().dtype(at::kFloat));
   r.topk_scores = at::empty({T, K}, x.options().dtype(at::kFloat));
   if (return_scores) r.scores = at::empty({T, E}, x.options().dtype(at::kFloat));
@@ -324,7 +324,10 @@ Routed route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   bind(a.x, a.x_len, xa);
   bind(a.w, a.w_len, w);
   bind(a.bias, a.bias_len, bias);
-  bind(a.topk_idx, a.topk_idx_len, r.topk_idx);
+  // (A pointer of the declared type; topk_idx_dtype says what it holds.)
+  a.topk_idx = static_cast<int32_t*>(r.topk_idx.mutable_data_ptr());
+  a.topk_idx_len = r.topk_idx.numel();
+  a.topk_idx_dtype = abi_dtype(r.topk_idx.scalar_type());
   bind(a.topk_weights, a.topk_weights_len, r.topk_weights);
   bind(a.topk_scores, a.topk_scores_len, r.topk_scores);
   if (return_scores) bind(a.scores, a.scores_len, r.scores);
@@ -341,20 +344,22 @@ Routed route_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
     int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
-    bool /*precise_backward: the backward's*/) {
+    bool /*precise_backward: the backward's*/, bool int64_indices) {
   Routed r = route_impl(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
-                        norm_topk_prob, false, false);
+                        norm_topk_prob, false, false, int64_indices);
   return {std::move(r.topk_idx), std::move(r.topk_weights), std::move(r.topk_scores)};
 }
 
 // route's outputs, then all scores [T, E] f32 and the token count of each expert [E] int32 from
-// the same call; an output not asked for is an empty tensor (shape [0]).
+// the same call; an output not asked for is an empty tensor (shape [0]). int64_indices: topk_idx
+// as int64, written so by the kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_with_stats(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
     int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
-    bool /*precise_backward: the backward's*/, bool return_scores, bool return_counts) {
+    bool /*precise_backward: the backward's*/, bool return_scores, bool return_counts,
+    bool int64_indices) {
   Routed r = route_impl(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
-                        norm_topk_prob, return_scores, return_counts);
+                        norm_topk_prob, return_scores, return_counts, int64_indices);
   if (!return_scores) r.scores = at::empty({0}, x.options().dtype(at::kFloat));
   if (!return_counts) r.expert_counts = at::empty({0}, x.options().dtype(at::kInt));
   return {std::move(r.topk_idx), std::move(r.topk_weights), std::move(r.topk_scores),
@@ -505,17 +510,17 @@ using torch::autograd::variable_list;
 
 class RouteFunction : public torch::autograd::Function<RouteFunction> {
  public:
-  static constexpr size_t kInputs = 12;  // forward's arguments after ctx: one gradient each
+  static constexpr size_t kInputs = 13;  // forward's arguments after ctx: one gradient each
 
   // stats: route_with_stats (five outputs), else route (three).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
                                int64_t n_group, int64_t topk_group, double routed_scaling_factor,
                                bool norm_topk_prob, bool precise, bool return_scores,
-                               bool return_counts, bool stats) {
+                               bool return_counts, bool int64_indices, bool stats) {
     variable_list out = route_below_autograd(x, weight, bias, top_k, n_group, topk_group,
                                              routed_scaling_factor, norm_topk_prob, precise,
-                                             return_scores, return_counts, stats);
+                                             return_scores, return_counts, int64_indices, stats);
     ctx->save_for_backward({x, weight, out[0], out[2]});
     ctx->saved_data["n_group"] = n_group;
     ctx->saved_data["topk_group"] = topk_group;
@@ -558,7 +563,8 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
                                             int64_t n_group, int64_t topk_group,
                                             double routed_scaling_factor, bool norm_topk_prob,
                                             bool precise, bool return_scores,
-                                            bool return_counts, bool stats) {
+                                            bool return_counts, bool int64_indices,
+                                            bool stats) {
     at::AutoDispatchBelowADInplaceOrView below;
     if (stats) {
       static const auto op = c10::Dispatcher::singleton()
@@ -566,14 +572,14 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
                                  .typed<decltype(route_with_stats)>();
       auto [a, b, c, d, e] =
           op.call(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
-                  norm_topk_prob, precise, return_scores, return_counts);
+                  norm_topk_prob, precise, return_scores, return_counts, int64_indices);
       return {a, b, c, d, e};
     }
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("moe_routing::route", "")
                                .typed<decltype(route)>();
     auto [a, b, c] = op.call(x, weight, bias, top_k, n_group, topk_group, routed_scaling_factor,
-                             norm_topk_prob, precise);
+                             norm_topk_prob, precise, int64_indices);
     return {a, b, c};
   }
 };
@@ -582,33 +588,35 @@ class RouteFunction : public torch::autograd::Function<RouteFunction> {
 variable_list route_any(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                         int64_t top_k, int64_t n_group, int64_t topk_group,
                         double routed_scaling_factor, bool norm_topk_prob, bool precise,
-                        bool return_scores, bool return_counts, bool stats) {
+                        bool return_scores, bool return_counts, bool int64_indices,
+                        bool stats) {
   if (!torch::autograd::compute_requires_grad(x, weight))
     return RouteFunction::route_below_autograd(x, weight, bias, top_k, n_group, topk_group,
                                                routed_scaling_factor, norm_topk_prob, precise,
-                                               return_scores, return_counts, stats);
+                                               return_scores, return_counts, int64_indices,
+                                               stats);
   return RouteFunction::apply(x, weight, bias, top_k, n_group, topk_group,
                               routed_scaling_factor, norm_topk_prob, precise, return_scores,
-                              return_counts, stats);
+                              return_counts, int64_indices, stats);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> route_autograd(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
     int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
-    bool precise) {
+    bool precise, bool int64_indices) {
   variable_list out = route_any(x, weight, bias, top_k, n_group, topk_group,
                                 routed_scaling_factor, norm_topk_prob, precise, false, false,
-                                false);
+                                int64_indices, false);
   return {out[0], out[1], out[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> route_with_stats_autograd(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t top_k,
     int64_t n_group, int64_t topk_group, double routed_scaling_factor, bool norm_topk_prob,
-    bool precise, bool return_scores, bool return_counts) {
+    bool precise, bool return_scores, bool return_counts, bool int64_indices) {
   variable_list out = route_any(x, weight, bias, top_k, n_group, topk_group,
                                 routed_scaling_factor, norm_topk_prob, precise, return_scores,
-                                return_counts, true);
+                                return_counts, int64_indices, true);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
@@ -620,12 +628,13 @@ TORCH_LIBRARY(moe_routing, m) {
   m.def(
       "route(Tensor x, Tensor weight, Tensor bias, SymInt top_k, SymInt n_group, "
       "SymInt topk_group, float routed_scaling_factor, bool norm_topk_prob, "
-      "bool precise_backward=False) -> (Tensor, Tensor, Tensor)",
+      "bool precise_backward=False, bool int64_indices=False) -> (Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "route_with_stats(Tensor x, Tensor weight, Tensor bias, SymInt top_k, SymInt n_group, "
       "SymInt topk_group, float routed_scaling_factor, bool norm_topk_prob, "
-      "bool precise_backward=False, bool return_scores=False, bool return_counts=False) -> "
+      "bool precise_backward=False, bool return_scores=False, bool return_counts=False, "
+      "bool int64_indices=False) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   // (The alias set of the mutable argument is named after its position, as Python's
