@@ -774,7 +774,7 @@ fn kernel_paths() {
         let status = unsafe { moe_routing_kernel_paths(c, &mut p) };
         (status, p)
     };
-    let cases: [(i64, i64, i64, i64, u32); 10] = [
+    let cases: [(i64, i64, i64, i64, u32); 11] = [
         (160, 8, 8, 5120, 3),
         (256, 8, 8, 7168, 3),
         (64, 6, 1, 2048, 3),
@@ -783,8 +783,9 @@ fn kernel_paths() {
         (160, 8, 8, 5184, 1),  // H % 128 = 64: the 128-column E take the simple backward
         (256, 8, 8, 5184, 3),  // ... and 256, with 64-column kernels alone, the fused one
         (256, 8, 8, 64 * 257, 1), // 257 slices
-        (384, 8, 1, 7168, 0),  // Kimi-K2's 384 experts: both simple
-        (96, 6, 1, 5120, 0),
+        (384, 8, 1, 7168, 1),  // Kimi-K2's 384 experts: the fused forward, the simple backward
+        (512, 16, 8, 4096, 1), // 512 experts, top-16: likewise
+        (96, 6, 1, 5120, 0),   // both simple
     ];
     for (e, k, g, h, want) in cases {
         let c = Config {

@@ -39,6 +39,7 @@ fn main() {
     let tests: &[Test] = &[
         ("forward_small_shapes", forward::forward_small_shapes),
         ("forward_fused_shapes", forward::forward_fused_shapes),
+        ("forward_wide_experts", forward::forward_wide_experts),
         (
             "forward_plans_per_expert_count",
             forward::forward_plans_per_expert_count,
@@ -657,6 +658,52 @@ fn fused_configs() -> Vec<(RouterConfig, usize)> {
                 ..glm(8, 3)
             },
             513,
+        ),
+    ]
+    .into_iter()
+    .chain(wide_configs())
+    .collect()
+}
+
+/// Above 256 experts (the forward's 64-token tiles, the few-lanes routing with lists of 8 or
+/// 16): Kimi-K2 (H 7168, E 384, K 8, no groups) from one token (the largest split) up, top-12
+/// with groups, and 512 experts at top-16 with a hidden tail.
+fn wide_configs() -> Vec<(RouterConfig, usize)> {
+    let glm = RouterConfig::glm45;
+    vec![
+        (
+            RouterConfig {
+                n_routed_experts: 384,
+                hidden_size: 7168,
+                ..glm(1, 1)
+            },
+            1,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 384,
+                hidden_size: 7168,
+                ..glm(1, 1)
+            },
+            3001,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 384,
+                num_experts_per_tok: 12,
+                hidden_size: 2048,
+                ..glm(8, 4)
+            },
+            700,
+        ),
+        (
+            RouterConfig {
+                n_routed_experts: 512,
+                num_experts_per_tok: 16,
+                hidden_size: 4000,
+                ..glm(8, 4)
+            },
+            2000,
         ),
     ]
 }

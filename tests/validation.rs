@@ -118,7 +118,7 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         ..glm()
     };
     assert_eq!(paths(top12), (true, false));
-    // Kimi-K2's 384 experts: both simple.
+    // Kimi-K2's 384 experts: the fused forward, the simple backward.
     let kimi_k2 = RouterConfig {
         hidden_size: 7168,
         n_routed_experts: 384,
@@ -126,7 +126,16 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         topk_group: 1,
         ..glm()
     };
-    assert_eq!(paths(kimi_k2), (false, false));
+    assert_eq!(paths(kimi_k2), (true, false));
+    // 96 experts: both simple.
+    let e96 = RouterConfig {
+        n_routed_experts: 96,
+        num_experts_per_tok: 6,
+        n_group: 1,
+        topk_group: 1,
+        ..glm()
+    };
+    assert_eq!(paths(e96), (false, false));
     let bad = RouterConfig {
         n_group: 7,
         ..glm()

@@ -98,7 +98,11 @@ int active_clusters(int device, int which, int64_t experts, int tile) {
 // need a second, or more SMs busy at a split).
 ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
-  ForwardPlan best{1, ceil_div(tokens, kTileT), 0, int(kTileT)};
+  // (Replaced by the first tile and split the device has room for; above 256 experts the tiles
+  // are of 64 tokens alone.)
+  const int64_t tile0 = kernels::fused_forward::tile_fits(int(cfg.n_routed_experts), int(kTileT))
+                            ? kTileT : 64;
+  ForwardPlan best{1, ceil_div(tokens, tile0), 0, int(tile0)};
   int64_t best_cost = INT64_MAX;
   for (int tile = 0; tile < kNumTiles; ++tile) {
     const TileCost& tc = kTileCosts[tile];

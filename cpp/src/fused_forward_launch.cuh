@@ -95,9 +95,11 @@ int fused_forward_active_clusters(int split, int tile_t, int device) {
   if constexpr (kTallTiles) {
     if (tile_t == 192) return max_active_clusters<Kernel<kExperts, 192>>(split, device);
   }
-  if (tile_t != 64 && tile_t != 128) return 0;
-  return tile_t == 64 ? max_active_clusters<Kernel<kExperts, 64>>(split, device)
-                      : max_active_clusters<Kernel<kExperts, 128>>(split, device);
+  if (tile_t == 64) return max_active_clusters<Kernel<kExperts, 64>>(split, device);
+  if constexpr (kernels::fused_forward::tile_fits(kExperts, 128)) {
+    if (tile_t == 128) return max_active_clusters<Kernel<kExperts, 128>>(split, device);
+  }
+  return 0;  // (no such kernel: the plan skips the tile)
 }
 
 template <int kExperts, bool kTallTiles>
@@ -105,7 +107,9 @@ Status launch_fused_forward_e(const RouterConfig& cfg, const ForwardArgs& a, int
                               const ForwardPlan& plan, cudaStream_t stream) {
   using namespace fused_forward_impl;
   if (plan.tile_t == 64) return launch<kExperts, 64>(cfg, a, device, plan, stream);
-  if (plan.tile_t == 128) return launch<kExperts, 128>(cfg, a, device, plan, stream);
+  if constexpr (kernels::fused_forward::tile_fits(kExperts, 128)) {
+    if (plan.tile_t == 128) return launch<kExperts, 128>(cfg, a, device, plan, stream);
+  }
   if constexpr (kTallTiles) {
     if (plan.tile_t == 192) return launch<kExperts, 192>(cfg, a, device, plan, stream);
   }

@@ -39,6 +39,27 @@ pub(super) fn forward_fused_shapes(s: &Arc<CudaStream>) {
     }
 }
 
+/// The forward's kernels above 256 experts alone (`wide_configs`, also among the fused shapes),
+/// so that compute-sanitizer can take them by name.
+pub(super) fn forward_wide_experts(s: &Arc<CudaStream>) {
+    for (i, (cfg, tokens)) in wide_configs().into_iter().enumerate() {
+        let seed = fresh_seed() ^ (i as u64) << 20;
+        assert!(
+            cfg.kernel_paths().unwrap().forward_fused,
+            "{cfg:?}: the fused forward"
+        );
+        let router = Router::new(cfg).unwrap();
+        let inp = Inputs::random(&cfg, tokens, &mut Rng::new(seed));
+        let fwd = gpu_forward(s, &router, tokens, &inp);
+        let label = format!("{cfg:?} T={tokens} seed {seed}");
+        let (ties, err) = check_forward(&cfg, tokens, &inp, &fwd, &label);
+        println!(
+            "  E={} K={:<2} T={tokens:<5} near-tie rows differing {ties:>2}, rel err {err:.1e}",
+            cfg.n_routed_experts, cfg.num_experts_per_tok
+        );
+    }
+}
+
 /// The launch plan is per expert count: 192-token tiles exist for E = 160 alone, so a process
 /// that routes with E = 160 and then with E = 256 must not plan the second with the first's
 /// tiles (at T = 10007 the E = 160 plan takes 192-token tiles).
@@ -284,6 +305,17 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
         routed_scaling_factor: 1.5,
         norm_topk_prob: true,
     };
+    let kimi_k2 = RouterConfig {
+        hidden_size: 7168,
+        n_routed_experts: 384,
+        ..RouterConfig::glm45(1, 1)
+    };
+    let e512_k16 = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 512,
+        num_experts_per_tok: 16,
+        ..RouterConfig::glm45(8, 4)
+    };
     // The fused forward writes the full scores from its split sum (clusters of 2 to 16, rows
     // per CTA uneven for 3 and 6) and, without a split, from the scores in shared memory; the
     // tokens pick each (H200 plan).
@@ -297,6 +329,9 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
         (RouterConfig::glm45(1, 1), 16384), // no split
         (RouterConfig::glm45(16, 8), 5000), // 192-token tiles in clusters of 4
         (RouterConfig::glm45(8, 3), 20000), // 192-token tiles, no split
+        (kimi_k2, 3001),                    // 384 experts: 64-token tiles, split
+        (kimi_k2, 1),                       // ... the largest split
+        (e512_k16, 700),                    // 512 experts, lists of 16
         (small, 129),
     ] {
         let seed = fresh_seed();
@@ -405,6 +440,14 @@ pub(super) fn forward_is_deterministic(s: &Arc<CudaStream>) {
         (RouterConfig::glm45(8, 4), 512),
         (RouterConfig::glm45(4, 2), 10007),
         (RouterConfig::glm45(1, 1), 20000),
+        (
+            RouterConfig {
+                hidden_size: 7168,
+                n_routed_experts: 384,
+                ..RouterConfig::glm45(1, 1)
+            },
+            4096,
+        ),
     ] {
         let seed = fresh_seed();
         let router = Router::new(cfg).unwrap();

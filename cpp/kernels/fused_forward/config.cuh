@@ -1,7 +1,7 @@
 // Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
 //
-// A cluster of kSplit CTAs owns one tile of kTileT tokens (128; 64 at small T; 192 where
-// 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster
+// A cluster of kSplit CTAs owns one tile of kTileT tokens (128; 64 at small T, and at every T
+// above 256 experts; 192 where 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster
 // covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
 // Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
 //   sX  (t, h, stage)  the x tile              wgmma A
@@ -22,6 +22,8 @@
 // CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED; after it, since they build on its GMMA definitions.
 #include <cute/arch/mma_sm90_gmma_ext.hpp>
 #include <cute/atom/mma_traits_sm90_gmma_ext.hpp>
+
+#include "kernels/fused_forward/cluster_sizes.h"  // tile_fits
 
 namespace moe_routing::kernels::fused_forward {
 
@@ -48,12 +50,15 @@ struct Config {
   static constexpr int kTileT = kTileT_;  // tokens per tile
   static_assert(kTileT == 128 || kTileT == 64 || kTileT == 192,
                 "two warpgroups along t, along e, or both");
+  static_assert(tile_fits(kExperts, kTileT), "above 256 experts, 64-token tiles");
+  static constexpr bool kWide = kExperts > 256;
   // Consumer warpgroups along (t, e): 2 × 1 (64 tokens × E each) or 1 × 2 (64 × E/2); a
   // 192-token tile is a 128-token tile's rows, then a 64-token tile's (kRowsHi).
   static constexpr int kRowsHi = kTileT == 192 ? 64 : 0;
   static constexpr int kWgT = (kTileT - kRowsHi) / 64, kWgE = 2 / kWgT;
   static constexpr int kTileH = 64;   // hidden per stage: one 128-byte swizzle atom of bf16
-  // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256.
+  // As many stages as fit in 220 KB, at most 6: 6 for E <= 160 (E = 160: 216 KB), 4 for 256,
+  // 3 for 384 and 512 (64-token tiles: 168 and 216 KB).
   static constexpr int kStageBytes = (kTileT + kExperts) * kTileH * 2;  // bf16 x and w tiles
   static constexpr int kStages = (220 * 1024) / kStageBytes < 6 ? (220 * 1024) / kStageBytes : 6;
   static constexpr int kConsumers = 2;
@@ -67,8 +72,8 @@ struct Config {
   static constexpr int kMaxSplit = 16;
   static_assert(kTileT % kMaxSplit == 0, "rows per CTA");
 
-  static_assert(kExperts % 8 == 0 && kExperts >= 8 && kExperts <= 256,
-                "E: wgmma N is a multiple of 8 up to 256; SW128 atoms are 8 rows");
+  static_assert(kExperts % 8 == 0 && kExperts >= 8 && kExperts <= 512,
+                "E: a warpgroup's wgmma N is a multiple of 8 up to 256; SW128 atoms are 8 rows");
 
   using Elem = cutlass::bfloat16_t;
   using TileT = Int<kTileT>;
@@ -103,8 +108,9 @@ struct Config {
   // reads at 2 lanes per token (4 tokens × 2 lanes per quarter-warp, route_thread.cuh).
   static constexpr int kRedStride = kExperts + 8;
   // After it, one scratch row per token of a warp-routing pass (64 tokens), or the per-token
-  // group keys of the few-lanes routing.
-  static constexpr int kScratchRows = 64;
+  // group keys of the few-lanes routing (kWide: those alone, 32 words a token; at E = 512 the
+  // 64 rows would not fit beside the tile's).
+  static constexpr int kScratchRows = kWide ? 8 : 64;
   static constexpr int kRedBytes = (kTileT + kScratchRows) * kRedStride * int(sizeof(float));
 
   struct alignas(1024) SharedStorage {

@@ -22,8 +22,9 @@
 //   token where the CTA has at most 16 rows and the groups are whole lanes (route_redux.cuh),
 //   else 2 to 16 lanes per token (route_thread.cuh). top_k > 8: 8 lanes per token, 32 token
 //   slots over the 8 consumer warps, two tokens per slot and pass where the CTA has more than
-//   32 rows (route.cuh). A CTA leaves only once every CTA is done reading its buffer (arrive /
-//   wait).
+//   32 rows (route.cuh). Above 256 experts (64-token tiles), every top_k takes the few-lanes
+//   routing, with lists of 16 where top_k > 8. A CTA leaves only once every CTA is done reading
+//   its buffer (arrive / wait).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -137,11 +138,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int ct = threadIdx.x - 128;  // 0..255
-  // The bias for the routing, one expert per thread: loaded now, its latency hidden behind the
-  // main loop, stored to shared memory after it (barrier 1 orders the store before the
+  // The bias for the routing, an expert or two per thread: loaded now, its latency hidden behind
+  // the main loop, stored to shared memory after it (barrier 1 orders the store before the
   // routing's reads).
-  static_assert(kExperts <= 128 * Cfg::kConsumers, "one expert's bias per consumer thread");
-  const float bias_e = ct < kExperts ? p.bias[ct] : 0.0f;
+  constexpr int kBiasPer = (kExperts + 128 * Cfg::kConsumers - 1) / (128 * Cfg::kConsumers);
+  float bias_e[kBiasPer];
+  CUTE_UNROLL
+  for (int i = 0; i < kBiasPer; ++i) {
+    const int e = ct + i * 128 * Cfg::kConsumers;
+    bias_e[i] = e < kExperts ? p.bias[e] : 0.0f;
+  }
   typename Cfg::Mma mma;
   // 192-token tiles: rows [0, 128) in `acc` (as a 128-token tile's), rows [128, 192) in acc_hi.
   constexpr int kRowsHi = Cfg::kRowsHi, kRowsLo = kTileT - kRowsHi;
@@ -154,7 +160,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   AccHi acc_hi;  // (MMA, MMA_M, MMA_N) of rows [128, 192)
   if constexpr (kRowsHi > 0) consume_tall<Cfg>(smem, ct, kb_begin, kb_end, acc, acc_hi);
   else consume<Cfg>(smem, ct, kb_begin, kb_end, acc);
-  if (ct < kExperts) smem.bias[ct] = bias_e;
+  CUTE_UNROLL
+  for (int i = 0; i < kBiasPer; ++i) {
+    const int e = ct + i * 128 * Cfg::kConsumers;
+    if (e < kExperts) smem.bias[e] = bias_e[i];
+  }
   MOE_ROUTING_TRACE(ct == 0, 3);
 
   // 1: both consumer warpgroups are done with the pipeline buffers (every TMA load has landed
@@ -168,8 +178,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   // the accumulator's register layout beyond pairs of adjacent experts (8-byte stores).
   float* red = smem.buf.red;
   using ThreadRoute = fused_forward::ThreadRoute<kExperts>;
+  // Above 256 experts every top_k takes the few-lanes routing (the 8-lane one would hold 48-64
+  // experts a lane in registers), with lists of 16 where top_k > 8.
+  using LongRoute = fused_forward::ThreadRoute<kExperts, 16>;
   const bool thread_route =
-      p.route.top_k <= ThreadRoute::kMaxTopK && p.route.n_group <= ThreadRoute::kMaxGroups;
+      (p.route.top_k <= ThreadRoute::kMaxTopK || Cfg::kWide) &&
+      p.route.n_group <= ThreadRoute::kMaxGroups;
   // Without a split the accumulators are the logits: the few-lanes routing takes their scores,
   // computed here from registers (0 + x: the bits of a sum that starts at zero).
   const bool scores_now = thread_route && split == 1;
@@ -251,26 +265,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
       if (kUneven ? (r & ~(32 / kLanes - 1)) < rows : r < rows) {
         const int row = kUneven && r >= rows ? rows - 1 : r;
         uint32_t* group_keys = reinterpret_cast<uint32_t*>(red + kTileT * kStride) + r;
-        ThreadRoute::template run<kLanes>(own + row * kStride, smem.bias, group_keys, kTileT,
-                                          p.route, out, row0 + r,
-                                          (!kUneven || r < rows) && row0 + r < p.tokens,
-                                          ct % kLanes);
+        auto run = [&](auto route_c) {
+          decltype(route_c)::template run<kLanes>(own + row * kStride, smem.bias, group_keys,
+                                                  kTileT, p.route, out, row0 + r,
+                                                  (!kUneven || r < rows) && row0 + r < p.tokens,
+                                                  ct % kLanes);
+        };
+        if constexpr (Cfg::kWide) {
+          if (p.route.top_k > ThreadRoute::kMaxTopK) run(LongRoute{});
+          else run(ThreadRoute{});
+        } else {
+          run(ThreadRoute{});
+        }
       }
     };
     // At most 16 rows (small T, large clusters): one warp per token, one or two tokens per
-    // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists.
+    // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists. (Up to
+    // 256 experts: 8 a lane.)
     constexpr int kWarps = 4 * Cfg::kConsumers;
-    auto route_warps = [&](auto tok) {
-      ReduxRoute<kExperts>::template run_rows<decltype(tok)::value>(
-          own, kStride, rows, row0, p.tokens, ct / 32, kWarps, smem.bias, p.route, out);
-    };
     constexpr int kMaxLanes = ThreadRoute::kMaxLanes;
     const int lanes = (128 * Cfg::kConsumers) / rows;
     bool warp_per_token = false;
-    if constexpr (kExperts % 32 == 0)
+    constexpr bool kRedux = kExperts % 32 == 0 && !Cfg::kWide;
+    if constexpr (kRedux)
       warp_per_token = rows <= 2 * kWarps && ReduxRoute<kExperts>::supports(p.route);
     if (warp_per_token) {
-      if constexpr (kExperts % 32 == 0) {
+      if constexpr (kRedux) {
+        auto route_warps = [&](auto tok) {
+          ReduxRoute<kExperts>::template run_rows<decltype(tok)::value>(
+              own, kStride, rows, row0, p.tokens, ct / 32, kWarps, smem.bias, p.route, out);
+        };
         if (rows <= kWarps) route_warps(Int<1>{});
         else route_warps(Int<2>{});
       }
@@ -291,7 +315,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     } else {
       route(Int<cute::min(2, kMaxLanes)>{}, cute::false_type{});
     }
-  } else {
+  } else if constexpr (!Cfg::kWide) {  // (kWide: n_group <= 32, so always the above)
     const int warp = ct / 32, lane = ct % 32;
     const int slot = warp * (32 / kRouteWidth) + lane / kRouteWidth;  // token slot in a pass
     const int sub = lane % kRouteWidth;

@@ -1,11 +1,11 @@
-// The fused forward's routing epilogue for top_k <= 8: kLanes threads per token (2 to 16,
-// adjacent lanes), the token's scores in a row of shared memory. Each thread scans a share of
-// the groups, then its share of the kept groups (or of all experts where there is one group),
-// with register compares only; the shares' top-k lists are then merged across the token's lanes
-// (log2 kLanes shuffle rounds). The
-// chains of a thread are serial, so the work is spread over as many warps as the tile allows.
-// Same selection as rank_key (larger first, lower index on ties, NaN below everything) and the
-// same weights as the other paths.
+// The fused forward's routing epilogue for top_k <= 8 (<= 16 above 256 experts): kLanes
+// threads per token (2 to 16, adjacent lanes), the token's scores in a row of shared memory.
+// Each thread scans a share of the groups, then its share of the kept groups (or of all experts
+// where there is one group), with register compares only; the shares' top-k lists are then
+// merged across the token's lanes (log2 kLanes shuffle rounds). The chains of a thread are
+// serial, so the work is spread over as many warps as the tile allows. Same selection as
+// rank_key (larger first, lower index on ties, NaN below everything) and the same weights as
+// the other paths.
 #pragma once
 
 #include <cstdint>
@@ -42,9 +42,12 @@ __device__ __forceinline__ int nth_set_bit(uint32_t mask, int n) {
   return __ffs(mask) - 1;
 }
 
-template <int kExperts>
+// kMaxTopK_: the longest list a lane keeps, 8 or 16 (top_k > 8, above 256 experts only: the
+// insert's compares and selects grow with it).
+template <int kExperts, int kMaxTopK_ = 8>
 struct ThreadRoute {
-  static constexpr int kMaxTopK = 8;
+  static constexpr int kMaxTopK = kMaxTopK_;
+  static_assert(kMaxTopK == 8 || kMaxTopK == 16, "a list of 8 or 16");
   static constexpr int kMaxGroups = 32;
   static_assert(kExperts % 4 == 0, "rows are read as 16-byte vectors");
   // Most lanes per token: a power of two up to 16 whose expert shares are whole vectors.
