@@ -774,7 +774,7 @@ fn kernel_paths() {
         let status = unsafe { moe_routing_kernel_paths(c, &mut p) };
         (status, p)
     };
-    let cases: [(i64, i64, i64, i64, u32); 11] = [
+    let cases: [(i64, i64, i64, i64, u32); 12] = [
         (160, 8, 8, 5120, 3),
         (256, 8, 8, 7168, 3),
         (64, 6, 1, 2048, 3),
@@ -785,7 +785,8 @@ fn kernel_paths() {
         (256, 8, 8, 64 * 257, 1), // 257 slices
         (384, 8, 1, 7168, 1),  // Kimi-K2's 384 experts: the fused forward, the simple backward
         (512, 16, 8, 4096, 1), // 512 experts, top-16: likewise
-        (96, 6, 1, 5120, 0),   // both simple
+        (96, 6, 1, 5120, 1),   // 96 experts: the 128-expert forward, masked
+        (72, 6, 1, 5120, 0),   // not a multiple of 16: both simple
     ];
     for (e, k, g, h, want) in cases {
         let c = Config {

@@ -627,6 +627,14 @@ fn fused_configs() -> Vec<(RouterConfig, usize)> {
             },
             600,
         ),
+        // E = 144 on the 160-expert kernel (192-token tiles), its last 16 experts masked.
+        (
+            RouterConfig {
+                n_routed_experts: 144,
+                ..glm(8, 4)
+            },
+            20000,
+        ),
         // The other instantiations: E = 256 (DeepSeek-V3: H 7168, 8 groups keep 4), 128, 64.
         (
             RouterConfig {

@@ -127,7 +127,7 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         ..glm()
     };
     assert_eq!(paths(kimi_k2), (true, false));
-    // 96 experts: both simple.
+    // 96 experts: the 128-expert forward, its last 32 experts masked; the simple backward.
     let e96 = RouterConfig {
         n_routed_experts: 96,
         num_experts_per_tok: 6,
@@ -135,7 +135,15 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         topk_group: 1,
         ..glm()
     };
-    assert_eq!(paths(e96), (false, false));
+    assert_eq!(paths(e96), (true, false));
+    // 72 experts (not a multiple of 16): both simple.
+    assert_eq!(
+        paths(RouterConfig {
+            n_routed_experts: 72,
+            ..e96
+        }),
+        (false, false)
+    );
     let bad = RouterConfig {
         n_group: 7,
         ..glm()

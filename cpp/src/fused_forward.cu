@@ -76,7 +76,7 @@ struct Occupancy {
 
 int active_clusters(int device, int which, int64_t experts, int tile) {
   static Occupancy cached[64] = {};
-  const int e = fused_forward_row(experts);
+  const int e = fused_forward_row_for(experts);
   if (e < 0) return 0;
   std::atomic<int>* slot =
       device >= 0 && device < 64 ? &cached[device].clusters[e][tile][which] : nullptr;
@@ -100,8 +100,10 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   const int64_t hblocks = ceil_div(cfg.hidden_size, kTileH);
   // (Replaced by the first tile and split the device has room for; above 256 experts the tiles
   // are of 64 tokens alone.)
-  const int64_t tile0 = kernels::fused_forward::tile_fits(int(cfg.n_routed_experts), int(kTileT))
-                            ? kTileT : 64;
+  const int row = fused_forward_row_for(cfg.n_routed_experts);  // (>= 0: the caller's check)
+  const int64_t tile0 =
+      kernels::fused_forward::tile_fits(kFusedForwardKernels[row].experts, int(kTileT)) ? kTileT
+                                                                                      : 64;
   ForwardPlan best{1, ceil_div(tokens, tile0), 0, int(tile0)};
   int64_t best_cost = INT64_MAX;
   for (int tile = 0; tile < kNumTiles; ++tile) {
@@ -144,7 +146,8 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
 
 bool fused_forward_config_supported(const RouterConfig& cfg) {
   // The routing epilogue keeps the kept groups in a 32-bit mask.
-  return fused_forward_row(cfg.n_routed_experts) >= 0 && cfg.n_group <= 32 &&
+  // Any E that is a multiple of 16 up to the widest row (the rest of its row masked).
+  return fused_forward_row_for(cfg.n_routed_experts) >= 0 && cfg.n_group <= 32 &&
          cfg.num_experts_per_tok <= 16;
 }
 
@@ -157,7 +160,7 @@ bool fused_forward_supported(const RouterConfig& cfg, const ForwardArgs& a) {
 
 Status launch_fused_forward(const RouterConfig& cfg, const ForwardArgs& a, int device,
                             cudaStream_t stream) {
-  const int row = fused_forward_row(cfg.n_routed_experts);
+  const int row = fused_forward_row_for(cfg.n_routed_experts);
   if (row < 0) return Status::kUnsupported;
   return kLaunch[row](cfg, a, device, plan(cfg, a.tokens, device), stream);
 }

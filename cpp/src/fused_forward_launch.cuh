@@ -13,16 +13,17 @@ namespace moe_routing::detail {
 
 namespace fused_forward_impl {
 
-// TMA descriptors and parameters of the E-expert kernel with kTileT-token tiles.
+// TMA descriptors and parameters of the E-expert kernel with kTileT-token tiles, for w of
+// `experts` rows (<= kExperts: the rest masked).
 template <int kExperts, int kTileT>
 auto make_params(const cutlass::bfloat16_t* x, const cutlass::bfloat16_t* w, int64_t tokens,
-                 int64_t hidden) {
+                 int64_t hidden, int64_t experts) {
   using namespace cute;
   using Cfg = kernels::fused_forward::Config<kExperts, kTileT>;
   // (T, H) and (E, H), h contiguous: K-major operands.
   Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(tokens), int(hidden)),
                           make_stride(hidden, _1{}));
-  Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(Int<kExperts>{}, int(hidden)),
+  Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(int(experts), int(hidden)),
                           make_stride(hidden, _1{}));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
   auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{}(_, _, 0));
@@ -34,7 +35,7 @@ template <int kExperts, int kTileT>
 struct Kernel {
   using Cfg = kernels::fused_forward::Config<kExperts, kTileT>;
   using Elem = typename Cfg::Elem;
-  using P = decltype(make_params<kExperts, kTileT>(nullptr, nullptr, 1, 64));
+  using P = decltype(make_params<kExperts, kTileT>(nullptr, nullptr, 1, 64, kExperts));
 
   static constexpr auto kernel = kernels::fused_forward::fused_forward_sm90<Cfg, P>;
   static constexpr bool kLargeClusters = true;  // clusters of 16 where the device has them
@@ -50,7 +51,7 @@ Status launch(const RouterConfig& cfg, const ForwardArgs& a, int device, const F
 
   typename K::P p = make_params<kExperts, kTileT>(reinterpret_cast<const Elem*>(a.x.data),
                                    reinterpret_cast<const Elem*>(a.w.data), a.tokens,
-                                   cfg.hidden_size);
+                                   cfg.hidden_size, cfg.n_routed_experts);
   p.bias = a.bias.data;
   p.topk_idx = a.topk_idx.data;
   p.idx_i64 = a.topk_idx.dtype == DType::kI64;
@@ -62,18 +63,19 @@ Status launch(const RouterConfig& cfg, const ForwardArgs& a, int device, const F
   p.hidden = int(cfg.hidden_size);
   p.hblocks = int(ceil_div(cfg.hidden_size, Cfg::kTileH));
   p.route = {int(cfg.num_experts_per_tok), int(cfg.n_group), int(cfg.topk_group),
-             cfg.routed_scaling_factor, cfg.norm_topk_prob};
+             cfg.routed_scaling_factor, cfg.norm_topk_prob, int(cfg.n_routed_experts)};
   const int64_t tiles = ceil_div(a.tokens, Cfg::kTileT);
   auto valid = [&](int split) {
     return kernels::fused_forward::is_cluster_size(split) && split <= p.hblocks;
   };
   const bool tail = plan.tail_split != 0 && plan.tiles < tiles;
-  if (!valid(plan.split) || plan.tiles < 1 || plan.tiles > tiles ||
+  if (cfg.n_routed_experts > kExperts || !valid(plan.split) || plan.tiles < 1 || plan.tiles > tiles ||
       (tail && !valid(plan.tail_split)) || (!tail && plan.tiles != tiles))
     return Status::kUnsupported;
 
   if (p.counts) {
-    if (Status s = cuda_status(cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * kExperts, stream));
+    if (Status s = cuda_status(
+            cudaMemsetAsync(p.counts, 0, sizeof(int32_t) * cfg.n_routed_experts, stream));
         s != Status::kSuccess)
       return s;
   }

@@ -46,6 +46,18 @@ constexpr int fused_forward_row(long long experts) {
   return -1;
 }
 
+// The forward row that serves E: its own, else the narrowest wider one, the row's experts
+// beyond E masked (E a multiple of 16); -1 where none.
+constexpr int fused_forward_row_for(long long experts) {
+  if (experts < 16 || experts % 16 != 0) return -1;
+  int best = -1;
+  for (int i = 0; i < kNumFusedForward; ++i) {
+    const int e = kFusedForwardKernels[i].experts;
+    if (e >= experts && (best < 0 || e < kFusedForwardKernels[best].experts)) best = i;
+  }
+  return best;
+}
+
 // The backward row of (E, top_k, tile_h), top_k 8 or kAnyTopK; -1 where it has none.
 constexpr int fused_backward_row(long long experts, int top_k, int tile_h) {
   for (int i = 0; i < kNumFusedBackward; ++i) {

@@ -926,7 +926,7 @@ def test_kernels_run_on_hopper_only(monkeypatch):
 
 def test_kernel_paths_are_logged(caplog):
     # Constructing a router says once per config which kernels it takes: INFO for the fused
-    # ones, WARNING for the simple ones (here 96 experts, both passes).
+    # ones, WARNING for the simple ones (here 72 experts, both passes).
     import logging
 
     from moe_routing import module
@@ -946,13 +946,13 @@ def test_kernel_paths_are_logged(caplog):
 
     module._log_kernel_paths.cache_clear()
     with caplog.at_level(logging.INFO, logger="moe_routing"):
-        GroupedTopKRouter(config(96, 6, 1, 1), device="meta")
-        GroupedTopKRouter(config(96, 6, 1, 1), device="meta")  # said once
+        GroupedTopKRouter(config(72, 6, 1, 1), device="meta")
+        GroupedTopKRouter(config(72, 6, 1, 1), device="meta")  # said once
         GroupedTopKRouter(config(160, 8, 8, 4), device="meta")
-        GroupedTopKRouter(config(96, 6, 1, 1), backend="reference", device="meta")
+        GroupedTopKRouter(config(72, 6, 1, 1), backend="reference", device="meta")
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "moe_routing"]
     assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
-    assert "E=96, top-6, groups 1 of 1: forward simple, backward simple" in said[0][1]
+    assert "E=72, top-6, groups 1 of 1: forward simple, backward simple" in said[0][1]
     assert "far slower" in said[0][1]
     assert "E=160, top-8, groups 4 of 8: forward fused, backward fused" in said[1][1]
     module._log_kernel_paths.cache_clear()
@@ -965,12 +965,14 @@ def test_kernel_paths_say_which_kernels_a_config_takes():
     fused = {"forward": "fused", "backward": "fused"}
     assert moe_routing.kernel_paths(5120, 160, 8, 8, 4) == fused
     assert moe_routing.kernel_paths(7168, 256, 8, 8, 4) == fused  # DeepSeek-V3
-    # Top-12: the fused forward, the simple backward (K <= 8); likewise Kimi-K2's 384 experts
-    # and 512 experts at top-16; 96 experts: both simple.
+    # Top-12: the fused forward, the simple backward (K <= 8); likewise Kimi-K2's 384 experts,
+    # 512 experts at top-16 and 96 experts (the 128-expert forward, masked); 72 experts (not a
+    # multiple of 16): both simple.
     fwd_only = {"forward": "fused", "backward": "simple"}
     assert moe_routing.kernel_paths(5120, 160, 12) == fwd_only
     assert moe_routing.kernel_paths(7168, 384, 8) == fwd_only
     assert moe_routing.kernel_paths(4096, 512, 16, 8, 4) == fwd_only
-    assert moe_routing.kernel_paths(5120, 96, 6) == {"forward": "simple", "backward": "simple"}
+    assert moe_routing.kernel_paths(5120, 96, 6) == fwd_only
+    assert moe_routing.kernel_paths(5120, 72, 6) == {"forward": "simple", "backward": "simple"}
     with pytest.raises(ValueError, match="n_group"):
         moe_routing.kernel_paths(5120, 160, 8, 7, 4)

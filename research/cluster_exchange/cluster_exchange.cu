@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1) exchange() {
     const unsigned long long t0 = now();
     if constexpr (kWay == kGather) {
       split_sum<kSplit, kRows, kExperts, kStride, kThreads>(partial, row0, rows, tid, false,
-                                                            nullptr, 0, 0);
+                                                            nullptr, 0, 0, kExperts);
     } else if constexpr (kWay != kNone) {
       // Bytes to land here: rows × E floats from each other CTA (whole padded rows for bulk).
       constexpr int kRowBytes = (kWay == kBulk ? kStride : kExperts) * 4;

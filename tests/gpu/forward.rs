@@ -80,7 +80,8 @@ pub(super) fn forward_plans_per_expert_count(s: &Arc<CudaStream>) {
     }
 }
 
-/// Exact ties and NaN, on the fused path (E = 160, 256) and the simple one (E = 96): every expert
+/// Exact ties and NaN, on the fused path (E = 160, 256; 96 on the 128-expert kernel, masked)
+/// and the simple one (E = 72): every expert
 /// has the same weight row, so scores tie exactly unless the bias or a NaN separates them.
 ///   - ties: equal values rank the lower expert index first (experts and groups);
 ///   - a token whose scores are all NaN gets the K lowest indices (of the first groups);
@@ -88,7 +89,7 @@ pub(super) fn forward_plans_per_expert_count(s: &Arc<CudaStream>) {
 pub(super) fn forward_ties_and_nan(s: &Arc<CudaStream>) {
     let seed = fresh_seed();
     let mut rng = Rng::new(seed);
-    // E = 96 has no fused instantiation: the simple path.
+    // E = 96: the 128-expert kernel, its last 32 experts masked (never chosen, even over NaN).
     let small = RouterConfig {
         hidden_size: 256,
         n_routed_experts: 96,
@@ -109,6 +110,25 @@ pub(super) fn forward_ties_and_nan(s: &Arc<CudaStream>) {
         },
         small,
         RouterConfig {
+            n_group: 8,
+            topk_group: 4,
+            ..small
+        },
+        // E = 72 (not a multiple of 16): the simple path.
+        RouterConfig {
+            n_routed_experts: 72,
+            ..small
+        },
+        RouterConfig {
+            n_routed_experts: 72,
+            n_group: 8,
+            topk_group: 4,
+            ..small
+        },
+        // E = 320 on the 384-expert kernel (masked), top-12.
+        RouterConfig {
+            n_routed_experts: 320,
+            num_experts_per_tok: 12,
             n_group: 8,
             topk_group: 4,
             ..small
@@ -298,7 +318,7 @@ pub(super) fn forward_near_ties_exact(s: &Arc<CudaStream>) {
 pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
     let small = RouterConfig {
         hidden_size: 256,
-        n_routed_experts: 96, // no fused instantiation: the simple path
+        n_routed_experts: 72, // not a multiple of 16: the simple path
         num_experts_per_tok: 6,
         n_group: 8,
         topk_group: 3,
@@ -308,6 +328,17 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
     let kimi_k2 = RouterConfig {
         hidden_size: 7168,
         n_routed_experts: 384,
+        ..RouterConfig::glm45(1, 1)
+    };
+    let e96 = RouterConfig {
+        hidden_size: 1024,
+        n_routed_experts: 96,
+        num_experts_per_tok: 6,
+        ..RouterConfig::glm45(8, 3)
+    };
+    let e320 = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 320,
         ..RouterConfig::glm45(1, 1)
     };
     let e512_k16 = RouterConfig {
@@ -332,6 +363,8 @@ pub(super) fn forward_optional_outputs(s: &Arc<CudaStream>) {
         (kimi_k2, 3001),                    // 384 experts: 64-token tiles, split
         (kimi_k2, 1),                       // ... the largest split
         (e512_k16, 700),                    // 512 experts, lists of 16
+        (e96, 1000),                        // 96 experts on the 128-expert kernel, masked
+        (e320, 300),                        // 320 on the 384-expert kernel
         (small, 129),
     ] {
         let seed = fresh_seed();

@@ -54,7 +54,7 @@ using namespace cute;
 template <class TmaX, class TmaW>
 struct Params {
   TmaX tma_x;  // x as (T, H)
-  TmaW tma_w;  // w as (E, H)
+  TmaW tma_w;  // w as (E, H), E = route.experts <= kExperts (the rows beyond arrive as zeros)
   const float* bias = nullptr;
   void* topk_idx = nullptr;  // [T, K] int32, or int64 where idx_i64
   bool idx_i64 = false;
@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     // ------------------------------------------------------------------ producer
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0)
-      produce<Cfg>(smem, p.tma_x, p.tma_w, p.tokens, p.hidden, tile, kb_begin, kb_end);
+      produce<Cfg>(smem, p.tma_x, p.tma_w, p.tokens, p.hidden, p.route.experts, tile, kb_begin,
+                   kb_end);
     cluster.sync();  // 2: partials in place; the producer has nothing more to do
     cluster_arrive_relaxed();  // 3: (nothing read from other CTAs)
     cluster_wait();
@@ -146,7 +147,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   CUTE_UNROLL
   for (int i = 0; i < kBiasPer; ++i) {
     const int e = ct + i * 128 * Cfg::kConsumers;
-    bias_e[i] = e < kExperts ? p.bias[e] : 0.0f;
+    // Masked experts (e >= E): a NaN bias. Their choice values are NaN, which ranks below
+    // every number and, on ties, after every lower index: never chosen over a real expert.
+    bias_e[i] = e < p.route.experts ? p.bias[e] : __uint_as_float(0x7FC00000u);
   }
   typename Cfg::Mma mma;
   // 192-token tiles: rows [0, 128) in `acc` (as a 128-token tile's), rows [128, 192) in acc_hi.
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   auto sum_split = [&](auto split_c) {
     constexpr int kSplit = decltype(split_c)::value;
     split_sum<kSplit, kTileT, kExperts, kStride, 128 * Cfg::kConsumers>(
-        red, row0_local, rows, ct, thread_route, p.scores, row0, p.tokens);
+        red, row0_local, rows, ct, thread_route, p.scores, row0, p.tokens, p.route.experts);
   };
   static_assert(is_cluster_size(Cfg::kMaxSplit), "the largest cluster is instantiated");
   with_cluster_size(split, [&](auto k) {
@@ -240,13 +243,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     // output from them. Then a few lanes per token (route_thread.cuh).
     float* own = red + row0_local * kStride;
     if (split == 1 && p.scores) {
-      constexpr int kVecsPerRow = kExperts / 4;
-      for (int v = ct; v < rows * kVecsPerRow; v += 128 * Cfg::kConsumers) {
-        const int r = v / kVecsPerRow, c = v % kVecsPerRow * 4;
+      const int vecs_per_row = p.route.experts / 4;  // (the masked experts have no scores)
+      for (int v = ct; v < rows * vecs_per_row; v += 128 * Cfg::kConsumers) {
+        const int r = v / vecs_per_row, c = v % vecs_per_row * 4;
         const float4 sv = *reinterpret_cast<const float4*>(own + r * kStride + c);
         const int64_t t = row0 + r;
         if (t < p.tokens) {
-          float* dst = p.scores + t * kExperts + c;
+          float* dst = p.scores + t * p.route.experts + c;
           dst[0] = sv.x, dst[1] = sv.y, dst[2] = sv.z, dst[3] = sv.w;
         }
       }
@@ -287,8 +290,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
     const int lanes = (128 * Cfg::kConsumers) / rows;
     bool warp_per_token = false;
     constexpr bool kRedux = kExperts % 32 == 0 && !Cfg::kWide;
-    if constexpr (kRedux)
-      warp_per_token = rows <= 2 * kWarps && ReduxRoute<kExperts>::supports(p.route);
+    if constexpr (kRedux)  // (groups of whole lanes: no masked experts)
+      warp_per_token = rows <= 2 * kWarps && p.route.experts == kExperts &&
+                       ReduxRoute<kExperts>::supports(p.route);
     if (warp_per_token) {
       if constexpr (kRedux) {
         auto route_warps = [&](auto tok) {

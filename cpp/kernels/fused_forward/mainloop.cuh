@@ -18,15 +18,17 @@ using namespace cute;
 using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
-// One thread: loads x and w of hidden blocks [kb_begin, kb_end) of token tile `tile`.
+// One thread: loads x and w of hidden blocks [kb_begin, kb_end) of token tile `tile`. w has
+// `experts` rows (<= kExperts: the stage's rows beyond them arrive as zeros).
 template <class Cfg, class TmaX, class TmaW>
 __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, const TmaW& tma_w,
-                        int64_t tokens, int hidden, int tile, int kb_begin, int kb_end) {
+                        int64_t tokens, int hidden, int experts, int tile, int kb_begin,
+                        int kb_end) {
   using Stages = Ring<Cfg::kStages>;
   Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
   Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
   Tensor mX = tma_x.get_tma_tensor(make_shape(tokens, hidden));                         // (T, H)
-  Tensor mW = tma_w.get_tma_tensor(make_shape(Int<Cfg::kExperts>{}, hidden));           // (E, H)
+  Tensor mW = tma_w.get_tma_tensor(make_shape(experts, hidden));                         // (E, H)
   Tensor gX = local_tile(mX, Shape<typename Cfg::TileT, typename Cfg::TileH>{},
                          make_coord(tile, _));  // (t, h, kb)
   Tensor gW = local_tile(mW, Shape<typename Cfg::Experts, typename Cfg::TileH>{},
@@ -38,8 +40,8 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
   for (int n = 0; kb_begin + n < kb_end; ++n) {
     const int s = Stages::stage(n);
     Stages::wait_free(smem.empty, n);
-    // Out-of-bounds rows (token tail) and columns (hidden tail) arrive as zeros and count
-    // in full toward the transaction bytes.
+    // Out-of-bounds rows (token tail, masked experts) and columns (hidden tail) arrive as
+    // zeros and count in full toward the transaction bytes.
     FullBarrier::arrive_and_expect_tx(&smem.full[s], Cfg::kStageBytes);
     // x is read once: evict first; w is read by every token tile: keep it in L2.
     copy(tma_x.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_FIRST), tXgX(_, kb_begin + n),

@@ -14,6 +14,9 @@ struct RouteParams {
   int top_k, n_group, topk_group;
   float scale;
   bool norm;
+  // E: the kernel's instantiation (kExperts) or fewer, the rest masked (w's rows beyond E
+  // arrive as zeros, their bias is NaN: never chosen; no scores output).
+  int experts;
 };
 
 // The weight of a chosen expert from its score and the sum of the token's chosen scores (summed
@@ -74,9 +77,12 @@ struct TokenRoute {
   // Group of each of the lane's experts (token-independent: computed once per thread).
   __device__ __forceinline__ static void groups(const RouteParams& p, int (&gid)[kPer]) {
     const int sub = threadIdx.x % kWidth;
-    const int per_group = kExperts / p.n_group;
+    const int per_group = p.experts / p.n_group;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) gid[i] = (sub + kWidth * i) / per_group;
+    for (int i = 0; i < kPer; ++i) {  // (masked experts past the groups: kept-mask bit 31)
+      const int g = (sub + kWidth * i) / per_group;
+      gid[i] = g < 31 ? g : 31;
+    }
   }
 
   // Routes kTok tokens per group of kWidth lanes at once: their dependent chains (shuffle
@@ -99,7 +105,7 @@ struct TokenRoute {
         const int e = sub + kWidth * i;
         score[u][i] = sigmoid(logit[u][i]);
         const float c = score[u][i] + bias[i];
-        key[u][i] = rank_key(c, e);
+        key[u][i] = rank_key(c, e);  // (masked experts: NaN bias, below every real expert)
         if (p.n_group > 1) choice_row[u][e] = c;
       }
     }
@@ -107,7 +113,7 @@ struct TokenRoute {
 
     if (p.n_group > 1) {
       __syncwarp();
-      const int per_group = kExperts / p.n_group;
+      const int per_group = p.experts / p.n_group;
       // Group score: sum of the group's two best choices (ranked as in top-k). Lane `sub`
       // scores groups sub, sub + kWidth, ...
       uint64_t gkey[kTok][kGroupSlots];
@@ -215,8 +221,11 @@ struct TokenRoute {
         }
       }
       if (out.scores) {
+        float* row = out.scores + t[u] * p.experts + sub;
+        const int n = p.experts / kWidth;  // (E a multiple of kWidth: lane sub's experts below E)
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) out.scores[t[u] * kExperts + sub + kWidth * i] = score[u][i];
+        for (int i = 0; i < kPer; ++i)
+          if (i < n) row[kWidth * i] = score[u][i];
       }
     }
   }

@@ -64,7 +64,7 @@ struct ThreadRoute {
                                              const RouteParams& p, const RouteOut& out, int64_t t,
                                              bool valid, int sub) {
     static_assert(kLanes >= 1 && kLanes <= kMaxLanes && (kLanes & (kLanes - 1)) == 0, "lanes");
-    const int per_group = kExperts / p.n_group;
+    const int per_group = p.experts / p.n_group;
 
     // Groups kept: the topk_group best by group score, the sum of the group's two best choice
     // scores (ranked as in top-k); ties to the lower group. Lane `sub` scores groups sub,
@@ -166,13 +166,16 @@ struct ThreadRoute {
       }
     } else {
       // Every expert: lane sub takes every kLanes-th 16-byte vector from the sub-th on (in
-      // ascending order), so that a quarter-warp's reads fall in distinct banks.
+      // ascending order), so that a quarter-warp's reads fall in distinct banks; the masked
+      // experts past p.experts (a multiple of 4) not at all.
       constexpr int kVecs = kExperts / 4 / kLanes;
       static_assert(kExperts % (4 * kLanes) == 0, "whole vectors per lane");
       const float4* s4 = reinterpret_cast<const float4*>(s) + sub;
       const float4* b4 = reinterpret_cast<const float4*>(bias) + sub;
+      const int vecs = p.experts / 4;
 #pragma unroll 2
       for (int v = 0; v < kVecs; ++v) {
+        if (v * kLanes + sub >= vecs) break;
         const float4 sv = s4[v * kLanes], bv = b4[v * kLanes];
         const int e = 4 * (v * kLanes + sub);
         insert(sv.x + bv.x, e);

@@ -19,10 +19,12 @@ namespace moe_routing::kernels::fused_forward {
 // rows (at most ⌈kTileT / kSplit⌉) over the kSplit partials in rank order, from zero (the same
 // bits every run), into this CTA's copy of the rows. `as_scores`: stores sigmoid of the sums
 // instead (and, where `scores` is not null, writes them to the [T, E] scores output for
-// tokens below `tokens`; `token0` is the first owned row's token).
+// tokens below `tokens` and the first `experts` columns, E = experts; `token0` is the first
+// owned row's token).
 template <int kSplit, int kTileT, int kExperts, int kStride, int kThreads>
 __device__ __forceinline__ void split_sum(float* red, int row0, int rows, int ct, bool as_scores,
-                                          float* scores, int64_t token0, int64_t tokens) {
+                                          float* scores, int64_t token0, int64_t tokens,
+                                          int experts) {
   constexpr int kMaxRows = (kTileT + kSplit - 1) / kSplit;
   constexpr int kVecsPerRow = kExperts / 4;
   constexpr int kMaxVecs = kMaxRows * kVecsPerRow;
@@ -61,8 +63,8 @@ __device__ __forceinline__ void split_sum(float* red, int row0, int rows, int ct
         sum = make_float4(sigmoid(0.0f + sum.x), sigmoid(0.0f + sum.y), sigmoid(0.0f + sum.z),
                           sigmoid(0.0f + sum.w));
         const int64_t t = token0 + r;
-        if (scores && t < tokens) {
-          float* dst = scores + t * kExperts + c;
+        if (scores && t < tokens && c < experts) {  // (experts: a multiple of 4)
+          float* dst = scores + t * experts + c;
           dst[0] = sum.x, dst[1] = sum.y, dst[2] = sum.z, dst[3] = sum.w;
         }
       }
