@@ -509,6 +509,30 @@ fn small_configs() -> Vec<(RouterConfig, usize)> {
             127,
         ),
         (deepseek_v3(2048), 300),
+        // E = 20 (not a multiple of 8): the CUDA-core backward (no tensor-core GEMM); E = 40:
+        // the simple forward, the tensor-core GEMMs backward.
+        (
+            RouterConfig {
+                hidden_size: 136,
+                n_routed_experts: 20,
+                num_experts_per_tok: 4,
+                n_group: 4,
+                topk_group: 2,
+                ..base
+            },
+            77,
+        ),
+        (
+            RouterConfig {
+                hidden_size: 136,
+                n_routed_experts: 40,
+                num_experts_per_tok: 5,
+                n_group: 4,
+                topk_group: 2,
+                ..base
+            },
+            300,
+        ),
         (
             RouterConfig {
                 hidden_size: 72,

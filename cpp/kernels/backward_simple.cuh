@@ -1,6 +1,9 @@
-// Backward, simple version (the reference GPU path): a dense routing gradient G [T, E] in
-// fp32 workspace, grad_x = G·w as a sparse sum over the K chosen rows of w, and
-// grad_w = Gᵀ·x as a tiled fp32 GEMM on the CUDA cores. Deterministic; every sum in fp32.
+// Backward, simple version (the shapes without a fused kernel). Where E and H are multiples of 8
+// (TMA's row alignment): G [T, E] as bf16 (routing_grad_dense_bf16; precise mode also its bf16
+// residual), then grad_x = G·w and grad_w = Gᵀ·x as tensor-core GEMMs (backward_gemm.cu), the
+// fused kernels' numerics. Else: G in fp32 (routing_grad_dense), grad_x = G·w as a sparse sum
+// over the K chosen rows of w, and grad_w = Gᵀ·x as a tiled fp32 GEMM on the CUDA cores, every
+// sum in fp32. Deterministic either way.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,6 +43,40 @@ __global__ void routing_grad_dense(BackwardParams p) {
     float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
     if (lane == 0 && ek >= 0 && ek < p.experts) row[ek] += gk;
     __syncwarp();
+  }
+}
+
+// As routing_grad_dense, for the tensor-core GEMMs: the row summed in fp32 in shared memory
+// (kDenseWarps rows of E floats), then written as bf16 to g, and its rounding residual
+// G - bf16(G) as bf16 to g_lo where not null. E even.
+constexpr int kDenseWarps = 8;
+__global__ void __launch_bounds__(kDenseWarps * 32)
+    routing_grad_dense_bf16(BackwardParams p, __nv_bfloat16* g, __nv_bfloat16* g_lo) {
+  extern __shared__ float dense_rows[];  // [kDenseWarps][E]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * kDenseWarps + warp;
+  if (t >= p.tokens) return;  // (warp-level work alone below)
+  const auto [e, gl] =
+      load_routing_grad_lane(p.routing, t, p.top_k, p.scale, p.norm, p.torch_bf16);
+  float* row = dense_rows + warp * p.experts;
+  for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
+  __syncwarp();
+  for (int k = 0; k < p.top_k; ++k) {  // serial over k: repeated indices add in a fixed order
+    const int ek = __shfl_sync(0xFFFFFFFFu, e, k);
+    const float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
+    if (lane == 0 && ek >= 0 && ek < p.experts) row[ek] += gk;
+    __syncwarp();
+  }
+  __nv_bfloat162* hi_out = reinterpret_cast<__nv_bfloat162*>(g + t * p.experts);
+  __nv_bfloat162* lo_out = g_lo ? reinterpret_cast<__nv_bfloat162*>(g_lo + t * p.experts) : nullptr;
+  for (int i = lane; i < p.experts / 2; i += 32) {
+    const float2 v = make_float2(row[2 * i], row[2 * i + 1]);
+    const __nv_bfloat162 hi = __floats2bfloat162_rn(v.x, v.y);
+    hi_out[i] = hi;
+    if (lo_out) {
+      const float2 h = __bfloat1622float2(hi);
+      lo_out[i] = __floats2bfloat162_rn(v.x - h.x, v.y - h.y);  // (exact in fp32)
+    }
   }
 }
 

@@ -1,4 +1,5 @@
 // Host launcher of the backward.
+#include "backward_gemm.h"
 #include "fused_backward.h"
 #include "kernels/backward_simple.cuh"
 #include "launch.h"
@@ -46,6 +47,32 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
   p.scale = cfg.routed_scaling_factor;
   p.norm = cfg.norm_topk_prob;
   p.accumulate = a.accumulate_grad_w;
+
+  // G as bf16 and the two GEMMs on the tensor cores, where the shapes allow (the workspace's
+  // fp32 G region holds G and its residual as bf16).
+  const bool precise = a.precision == Precision::kPrecise;
+  detail::BackwardGemms gemms;
+  auto* g_hi = reinterpret_cast<__nv_bfloat16*>(p.dense_grad);
+  __nv_bfloat16* g_lo = precise ? g_hi + a.tokens * E : nullptr;
+  gemms.g = g_hi;
+  gemms.g_lo = g_lo;
+  gemms.x = p.x;
+  gemms.w = p.w;
+  gemms.grad_x = p.grad_x;
+  gemms.grad_w = p.grad_w;
+  gemms.grad_w_bf16 = p.grad_w_bf16;
+  gemms.accumulate = p.accumulate;
+  gemms.tokens = a.tokens;
+  gemms.experts = int(E);
+  gemms.hidden = int(H);
+  if (detail::backward_gemms_supported(gemms, device)) {
+    const size_t smem = size_t(kernels::kDenseWarps) * size_t(E) * sizeof(float);
+    kernels::routing_grad_dense_bf16<<<unsigned(detail::ceil_div(a.tokens, kernels::kDenseWarps)),
+                                       kernels::kDenseWarps * 32, smem, stream>>>(
+        p, g_hi, g_lo);
+    if (Status s = detail::last_launch_status(); s != Status::kSuccess) return s;
+    return detail::launch_backward_gemms(gemms, device, stream);
+  }
 
   constexpr int kWarps = 8;
   kernels::routing_grad_dense<<<unsigned(detail::ceil_div(a.tokens, kWarps)), kWarps * 32, 0,

@@ -342,7 +342,7 @@ def _route_tokens(hidden_states: Tensor, weight: Tensor, bias: Tensor, top_k: in
 @functools.lru_cache(maxsize=None)
 def _log_kernel_paths(*config) -> None:
     """Says once per config, on the ``moe_routing`` logger, which kernels it takes: INFO for
-    the fused ones, WARNING where either pass takes the far slower simple kernels. Says
+    the fused ones, WARNING where either pass takes the slower simple (unfused) kernels. Says
     nothing where the library is not there (CPU-only use)."""
     from . import _lib
 
@@ -357,7 +357,7 @@ def _log_kernel_paths(*config) -> None:
     if fwd == bwd == "fused":
         logger.info("moe_routing: %s", text)
     else:
-        logger.warning("moe_routing: %s; the simple CUDA-core kernels are far slower than the "
+        logger.warning("moe_routing: %s; the simple (unfused) kernels are far slower than the "
                        "fused ones (the README's supported shapes)", text)
 
 

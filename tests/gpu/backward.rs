@@ -97,11 +97,15 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
 }
 
 /// One shape on the fused kernels: against the reference in both precisions, accumulating or
-/// not, and bitwise repeatable. The fused kernels take G as bf16 in the default mode (grad_w
-/// ~1e-3 off); the simple path's fp32 G would leave ~1e-6, so a shape that fell back to it
-/// fails.
+/// not, and bitwise repeatable. The library must say the shape is fused, and the fused kernels
+/// take G as bf16 in the default mode (grad_w ~1e-3 off; so does the simple path's tensor-core
+/// GEMM, while its CUDA-core one, fp32 throughout, would leave ~1e-6).
 pub(super) fn check_fused_case(s: &Arc<CudaStream>, cfg: &RouterConfig, tokens: usize, seed: u64) {
     let label = format!("{cfg:?} T={tokens}");
+    assert!(
+        cfg.kernel_paths().unwrap().backward_fused,
+        "{label}: not a fused backward shape"
+    );
     let [default, _] = check_case(s, cfg, tokens, seed, &label);
     assert!(
         default.grad_w > 1e-4,
