@@ -1,6 +1,6 @@
 // The simple backward's GEMMs on the tensor cores: CUTLASS sm90 warp-specialized kernels from
-// its collective builders, three instantiations (grad_x bf16; grad_w f32 with an optional
-// source; grad_w bf16). See backward_gemm.h.
+// its collective builders, four instantiations (grad_x bf16; grad_w f32 written, or added into
+// its source; grad_w bf16). See backward_gemm.h.
 #include "tma_encode.h"  // (before CUTLASS's headers)
 
 #include <cute/tensor.hpp>
@@ -52,8 +52,11 @@ struct Gemm {
 // grad_x = G · w: A = G [T, E] (K-major), B = w [E, H] (N contiguous), D [T, H] bf16.
 using GradXGemm = Gemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor, void, Bf16>;
 // grad_w = Gᵀ · x: A = Gᵀ, G [T, E] read with E (M) contiguous, B = x [T, H] (N contiguous),
-// D [E, H] f32 (C = D where added into) or bf16.
-using GradWGemm = Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float>;
+// D [E, H] f32 written (no source: a source scaled by beta = 0 is not loaded, but its
+// registers still enter the sum as 0 · whatever they hold), f32 added into (C = D, beta = 1),
+// or bf16 written.
+using GradWGemm = Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, void, float>;
+using GradWAddGemm = Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float>;
 using GradWBf16Gemm = Gemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, void, Bf16>;
 
 // SMs per device, read once (the persistent tile scheduler's grid).
@@ -121,7 +124,9 @@ Status run(const typename G::Arguments& args, cudaStream_t stream) {
 
 struct Problems {
   GradXGemm::Arguments grad_x;
-  GradWGemm::Arguments grad_w, grad_w_lo;
+  GradWGemm::Arguments grad_w;          // written
+  GradWAddGemm::Arguments grad_w_add;   // added into grad_w
+  GradWAddGemm::Arguments grad_w_lo;    // the residual's, added
   GradWBf16Gemm::Arguments grad_w_bf16;
 };
 
@@ -133,9 +138,10 @@ Problems problems(const BackwardGemms& a, int device) {
   auto w = reinterpret_cast<const Bf16*>(a.w);
   Problems p;
   p.grad_x = arguments<GradXGemm>(T, H, E, g, E, w, H, nullptr, a.grad_x, H, 0.0f, device);
-  p.grad_w = arguments<GradWGemm>(E, H, T, g, E, x, H, a.grad_w, a.grad_w, H,
-                                  a.accumulate ? 1.0f : 0.0f, device);
-  p.grad_w_lo = arguments<GradWGemm>(E, H, T, g_lo, E, x, H, a.grad_w, a.grad_w, H, 1.0f, device);
+  p.grad_w = arguments<GradWGemm>(E, H, T, g, E, x, H, nullptr, a.grad_w, H, 0.0f, device);
+  p.grad_w_add = arguments<GradWAddGemm>(E, H, T, g, E, x, H, a.grad_w, a.grad_w, H, 1.0f, device);
+  p.grad_w_lo =
+      arguments<GradWAddGemm>(E, H, T, g_lo, E, x, H, a.grad_w, a.grad_w, H, 1.0f, device);
   p.grad_w_bf16 =
       arguments<GradWBf16Gemm>(E, H, T, g, E, x, H, nullptr, a.grad_w, H, 0.0f, device);
   return p;
@@ -151,17 +157,21 @@ bool backward_gemms_supported(const BackwardGemms& a, int device) {
     return false;
   if (a.grad_w_bf16 && (a.accumulate || a.g_lo)) return false;
   const Problems p = problems(a, device);
-  return implementable<GradXGemm>(p.grad_x) &&
-         (a.grad_w_bf16 ? implementable<GradWBf16Gemm>(p.grad_w_bf16)
-                        : implementable<GradWGemm>(p.grad_w));
+  if (!implementable<GradXGemm>(p.grad_x)) return false;
+  if (a.grad_w_bf16) return implementable<GradWBf16Gemm>(p.grad_w_bf16);
+  return (a.accumulate ? implementable<GradWAddGemm>(p.grad_w_add)
+                       : implementable<GradWGemm>(p.grad_w)) &&
+         (!a.g_lo || implementable<GradWAddGemm>(p.grad_w_lo));
 }
 
 Status launch_backward_gemms(const BackwardGemms& a, int device, cudaStream_t stream) {
   const Problems p = problems(a, device);
   if (Status s = run<GradXGemm>(p.grad_x, stream); s != Status::kSuccess) return s;
   if (a.grad_w_bf16) return run<GradWBf16Gemm>(p.grad_w_bf16, stream);
-  if (Status s = run<GradWGemm>(p.grad_w, stream); s != Status::kSuccess) return s;
-  if (a.g_lo) return run<GradWGemm>(p.grad_w_lo, stream);
+  const Status s =
+      a.accumulate ? run<GradWAddGemm>(p.grad_w_add, stream) : run<GradWGemm>(p.grad_w, stream);
+  if (s != Status::kSuccess) return s;
+  if (a.g_lo) return run<GradWAddGemm>(p.grad_w_lo, stream);
   return Status::kSuccess;
 }
 

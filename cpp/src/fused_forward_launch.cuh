@@ -26,7 +26,8 @@ auto make_params(const cutlass::bfloat16_t* x, const cutlass::bfloat16_t* w, int
   Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(int(experts), int(hidden)),
                           make_stride(hidden, _1{}));
   auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
-  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutW{}(_, _, 0));
+  // (A box of kWBoxRows rows of w: a stage is kWBoxes of them.)
+  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutWBox{});
   using P = kernels::fused_forward::Params<decltype(tma_x), decltype(tma_w)>;
   return P{tma_x, tma_w};
 }

@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(d_scores, scores.data(), scores.size() * sizeof(float), cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d_bias, bias.data(), kExperts * sizeof(float), cudaMemcpyHostToDevice));
   const RouteParams p{kTopK, n_group, topk_group, 2.5f, true, kExperts};
-  const RouteOut out{d_idx, d_weights, d_topk_scores, nullptr, d_counts};
+  const RouteOut out{d_idx, d_weights, d_topk_scores, nullptr, d_counts, false};
   const int smem = ((kRows + kScratch) * kStride + 2 * kExperts) * int(sizeof(float));
   std::printf("E = %d, top %d, %d groups, top %d groups: %d CTAs x %d rows, us per routing\n",
               kExperts, kTopK, n_group, topk_group, kCtas, kRows);

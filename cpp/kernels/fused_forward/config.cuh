@@ -84,6 +84,14 @@ struct Config {
   // (t, h, stage) and (e, h, stage): K-major, 128-byte swizzle; a TMA box is one stage.
   using SmemLayoutX = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                              Shape<TileT, TileH, Stages>{}));
+  // A TMA box has at most 256 rows: above 256 experts a stage of w is two boxes of E/2 rows,
+  // the second 1024-byte aligned (E/2 · 128 bytes), so both keep the stage's swizzle phase.
+  static constexpr int kWBoxes = kExperts > 256 ? 2 : 1;
+  static constexpr int kWBoxRows = kExperts / kWBoxes;
+  static_assert(kWBoxRows <= 256 && kWBoxRows * 128 % 1024 == 0 && kTileT <= 256,
+                "TMA boxes of at most 256 rows, each w box 1024-byte aligned in its stage");
+  using SmemLayoutWBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
+                                                Shape<Int<kWBoxRows>, TileH>{}));
   using SmemLayoutW = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{},
                                              Shape<Experts, TileH, Stages>{}));
 

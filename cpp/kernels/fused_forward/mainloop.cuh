@@ -26,17 +26,15 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
                         int kb_end) {
   using Stages = Ring<Cfg::kStages>;
   Tensor sX = make_tensor(make_smem_ptr(smem.buf.pipe.x), typename Cfg::SmemLayoutX{});  // (t, h, stage)
-  Tensor sW = make_tensor(make_smem_ptr(smem.buf.pipe.w), typename Cfg::SmemLayoutW{});  // (e, h, stage)
   Tensor mX = tma_x.get_tma_tensor(make_shape(tokens, hidden));                         // (T, H)
   Tensor mW = tma_w.get_tma_tensor(make_shape(experts, hidden));                         // (E, H)
   Tensor gX = local_tile(mX, Shape<typename Cfg::TileT, typename Cfg::TileH>{},
                          make_coord(tile, _));  // (t, h, kb)
-  Tensor gW = local_tile(mW, Shape<typename Cfg::Experts, typename Cfg::TileH>{},
-                         make_coord(0, _));  // (e, h, kb)
+  constexpr int kWBoxRows = Cfg::kWBoxRows, kWBoxes = Cfg::kWBoxes;
+  Tensor gW = local_tile(mW, Shape<Int<kWBoxRows>, typename Cfg::TileH>{},
+                         make_coord(_, _));  // (e, h, box, kb)
   auto [tXgX, tXsX] = tma_partition(tma_x, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sX),
                                     group_modes<0, 2>(gX));  // (TMA, kb), (TMA, stage)
-  auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sW),
-                                    group_modes<0, 2>(gW));  // (TMA, kb), (TMA, stage)
   for (int n = 0; kb_begin + n < kb_end; ++n) {
     const int s = Stages::stage(n);
     Stages::wait_free(smem.empty, n);
@@ -46,8 +44,19 @@ __device__ void produce(typename Cfg::SharedStorage& smem, const TmaX& tma_x, co
     // x is read once: evict first; w is read by every token tile: keep it in L2.
     copy(tma_x.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_FIRST), tXgX(_, kb_begin + n),
          tXsX(_, s));
-    copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_LAST), tWgW(_, kb_begin + n),
-         tWsW(_, s));
+    CUTE_UNROLL
+    for (int b = 0; b < kWBoxes; ++b) {
+      // Box b of the stage: rows [b · kWBoxRows, (b + 1) · kWBoxRows), contiguous in it (the
+      // atoms of 8 rows stack along e, the stages after them), 1024-byte aligned: the
+      // swizzle, of absolute address bits, is the stage's.
+      Tensor sWb = make_tensor(
+          make_smem_ptr(smem.buf.pipe.w + (s * Cfg::kExperts + b * kWBoxRows) * Cfg::kTileH),
+          typename Cfg::SmemLayoutWBox{});  // (e, h)
+      auto [tWgW, tWsW] = tma_partition(tma_w, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sWb),
+                                        group_modes<0, 2>(gW(_, _, b, _)));  // (TMA, kb), (TMA)
+      copy(tma_w.with(smem.full[s], 0, TMA::CacheHintSm90::EVICT_LAST), tWgW(_, kb_begin + n),
+           tWsW);
+    }
   }
 }
 

@@ -79,7 +79,7 @@ struct TokenRoute {
     const int sub = threadIdx.x % kWidth;
     const int per_group = p.experts / p.n_group;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {  // (masked experts past the groups: kept-mask bit 31)
+    for (int i = 0; i < kPer; ++i) {  // (masked experts: groups >= n_group, never kept; < 32)
       const int g = (sub + kWidth * i) / per_group;
       gid[i] = g < 31 ? g : 31;
     }
