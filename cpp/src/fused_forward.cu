@@ -142,6 +142,17 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   return best;
 }
 
+// Which row serves E: its own, else the narrowest wider one; E a multiple of 16 up to 512.
+constexpr int row_experts(long long experts) {
+  const int row = fused_forward_row_for(experts);
+  return row < 0 ? -1 : kFusedForwardKernels[row].experts;
+}
+static_assert(row_experts(160) == 160 && row_experts(96) == 128 && row_experts(144) == 160 &&
+                  row_experts(16) == 64 && row_experts(320) == 384 && row_experts(400) == 512 &&
+                  row_experts(512) == 512 && row_experts(72) == -1 && row_experts(528) == -1 &&
+                  row_experts(0) == -1,
+              "fused_forward_row_for");
+
 }  // namespace
 
 bool fused_forward_config_supported(const RouterConfig& cfg) {
