@@ -26,24 +26,28 @@ struct BackwardParams {
   bool torch_bf16;  // Precision::kTorchBf16
 };
 
-// One warp per token: grad_logit at the K chosen experts, scattered into a zeroed G row.
-// Indices outside [0, E) contribute nothing.
-__global__ void routing_grad_dense(BackwardParams p) {
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (t >= p.tokens) return;
+// Token t's G row (E floats at `row`, global or shared memory) by one warp: grad_logit at the
+// K chosen experts, scattered into the zeroed row, serially over k so that repeated indices add
+// in a fixed order. Indices outside [0, E) contribute nothing.
+__device__ __forceinline__ void dense_grad_row(const BackwardParams& p, int64_t t, int lane,
+                                               float* row) {
   const auto [e, gl] =
       load_routing_grad_lane(p.routing, t, p.top_k, p.scale, p.norm, p.torch_bf16);
-  float* row = p.dense_grad + t * p.experts;
   for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
   __syncwarp();
-  // Serial over k so that repeated indices add in a fixed order.
   for (int k = 0; k < p.top_k; ++k) {
-    int ek = __shfl_sync(0xFFFFFFFFu, e, k);
-    float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
+    const int ek = __shfl_sync(0xFFFFFFFFu, e, k);
+    const float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
     if (lane == 0 && ek >= 0 && ek < p.experts) row[ek] += gk;
     __syncwarp();
   }
+}
+
+// One warp per token: G [T, E] in fp32 (p.dense_grad).
+__global__ void routing_grad_dense(BackwardParams p) {
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= p.tokens) return;
+  dense_grad_row(p, t, threadIdx.x % 32, p.dense_grad + t * p.experts);
 }
 
 // As routing_grad_dense, for the tensor-core GEMMs: the row summed in fp32 in shared memory
@@ -56,17 +60,8 @@ __global__ void __launch_bounds__(kDenseWarps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = int64_t(blockIdx.x) * kDenseWarps + warp;
   if (t >= p.tokens) return;  // (warp-level work alone below)
-  const auto [e, gl] =
-      load_routing_grad_lane(p.routing, t, p.top_k, p.scale, p.norm, p.torch_bf16);
   float* row = dense_rows + warp * p.experts;
-  for (int i = lane; i < p.experts; i += 32) row[i] = 0.0f;
-  __syncwarp();
-  for (int k = 0; k < p.top_k; ++k) {  // serial over k: repeated indices add in a fixed order
-    const int ek = __shfl_sync(0xFFFFFFFFu, e, k);
-    const float gk = __shfl_sync(0xFFFFFFFFu, gl, k);
-    if (lane == 0 && ek >= 0 && ek < p.experts) row[ek] += gk;
-    __syncwarp();
-  }
+  dense_grad_row(p, t, lane, row);
   __nv_bfloat162* hi_out = reinterpret_cast<__nv_bfloat162*>(g + t * p.experts);
   __nv_bfloat162* lo_out = g_lo ? reinterpret_cast<__nv_bfloat162*>(g_lo + t * p.experts) : nullptr;
   for (int i = lane; i < p.experts / 2; i += 32) {

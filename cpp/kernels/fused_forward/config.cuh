@@ -1,8 +1,9 @@
 // Tile shapes, shared-memory layouts and the tiled MMA of the fused forward (sm90a).
 //
 // A cluster of kSplit CTAs owns one tile of kTileT tokens (128; 64 at small T, and at every T
-// above 256 experts; 192 where 128-token tiles would leave SMs idle, E = 160) and all E experts; CTA r of the cluster
-// covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the B = ⌈H/kTileH⌉ blocks.
+// above 256 experts; 192 where 128-token tiles would leave SMs idle, E = 160) and all E
+// experts; CTA r of the cluster covers hidden blocks [r·B/kSplit, (r+1)·B/kSplit) of the
+// B = ⌈H/kTileH⌉ blocks.
 // Per hidden block, TMA brings (shared memory, h contiguous, K-major SW128):
 //   sX  (t, h, stage)  the x tile              wgmma A
 //   sW  (e, h, stage)  the w slice, all E rows  wgmma B
@@ -86,7 +87,7 @@ struct Config {
                                              Shape<TileT, TileH, Stages>{}));
   // A TMA box has at most 256 rows: above 256 experts a stage of w is two boxes of E/2 rows,
   // the second 1024-byte aligned (E/2 · 128 bytes), so both keep the stage's swizzle phase.
-  static constexpr int kWBoxes = kExperts > 256 ? 2 : 1;
+  static constexpr int kWBoxes = kWide ? 2 : 1;
   static constexpr int kWBoxRows = kExperts / kWBoxes;
   static_assert(kWBoxRows <= 256 && kWBoxRows * 128 % 1024 == 0 && kTileT <= 256,
                 "TMA boxes of at most 256 rows, each w box 1024-byte aligned in its stage");
