@@ -17,6 +17,7 @@ operations' names). Needs a CUDA GPU and the library (see the package README).
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -90,7 +91,15 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the profiler's CPU-side events per call (host_breakdown)")
+    ap.add_argument("--inference-mode", action="store_true",
+                    help="every call under torch.inference_mode() (a diagnostic: what autograd's "
+                         "dispatch and bookkeeping add to a call)")
     opts = ap.parse_args()
+    with torch.inference_mode() if opts.inference_mode else contextlib.nullcontext():
+        run(opts)
+
+
+def run(opts):
     native = moe_ops.native_library_path()
     print(f"ops: {moe_ops.BACKEND}" + (f" ({native})" if native else ""))
     x, w, b, idx, scores, grad = make_inputs(opts.tokens)
@@ -101,6 +110,7 @@ def main():
         call()
     torch.cuda.synchronize()
     out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens, ops=moe_ops.BACKEND,
+               inference_mode=opts.inference_mode,
                interface="int64 topk_idx, bf16 scores [T, E], bf16 grad_topk_weights, bf16 grad_w")
     # For scale, in the same run: one ordinary PyTorch op (an elementwise product of two small
     # bf16 tensors: one allocation, one kernel), whose host time varies with the machine as ours.
