@@ -83,10 +83,12 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
   p.top_k = top_k;
   p.skew = Cfg::kSkew && top_k < 8;
   using kernels::fused_backward::CompactRow;
-  // Compact rows (kernel_sm90.cuh): PyTorch's dtypes (RowFormat::kTorch), G's sweep alone, not
-  // precise mode (whose residual sweep reads the inputs again).
+  // Compact rows (producer.cuh): G's sweep alone, not precise mode (whose residual sweep reads
+  // the inputs again), for PyTorch's dtypes and, where the kernel compacts them
+  // (Cfg::kCompactAnyRows), for every other input of any K.
   if (Cfg::kAnyK && passes == kernels::fused_backward::kPassG &&
-      a.precision != Precision::kPrecise && kernels::fused_backward::torch_rows(p.routing, top_k)) {
+      a.precision != Precision::kPrecise &&
+      (kernels::fused_backward::torch_rows(p.routing, top_k) || Cfg::kCompactAnyRows)) {
     p.compact = reinterpret_cast<CompactRow*>(a.workspace.data + kTicketBytes +
                                               fused_backward_compact_offset(cfg, T));
     p.compact_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);

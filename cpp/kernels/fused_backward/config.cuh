@@ -56,6 +56,15 @@ struct Config {
   // 0.1-3.7% faster on the top-6 shapes; slower with K = 8 at E = 160). (The role-split
   // kernels' warpgroups run out of step by their roles.)
   static constexpr bool kSkew = kAnyK && !kRoleSplit;
+  // Compact rows (producer.cuh) for the any-K inputs that are not PyTorch's K = 8 rows: the
+  // 64-column kernels from 128 experts (backward v29: dots.llm1's top-6 backward at T = 1024
+  // 2.16x -> 1.68x its ceiling; at 64 experts per-unit loading stayed faster). The host asks
+  // this too. The PyTorch format is compacted by every any-K kernel.
+  static constexpr bool kCompactAnyRows = kAnyK && kRoleSplit && kExperts >= 128;
+  // The compaction's PyTorch rows loaded by quads of lanes (routing_grad_tile.cuh load_quad):
+  // 0.1-0.5 us faster a call on the 64-column plans, 0.9-2.5 us slower on the 128-column ones
+  // (backward v29); measured at 128 and 160 experts (E = 256's producer already spills).
+  static constexpr bool kQuadRows = kAnyK && kRoleSplit && kExperts >= 128 && kExperts <= 160;
   static constexpr int kStagesX = kStagesX_;
   static constexpr int kStagesG = kStagesG_;
   static constexpr int kConsumers = 2;  // consumer warpgroups

@@ -277,6 +277,66 @@ struct TokenRouting<kTopK, RowFormat::kTorch> {
     for (int k = 0; k < kTopK; ++k)
       score[k] = unsigned(idx_[k]) < unsigned(in.scores_stride) ? __ldg(row + idx_[k]) : 0u;
   }
+
+  // Whether load_quad may read these scores: rows of exactly kExperts, 16-byte aligned.
+  template <int kExperts>
+  __device__ __forceinline__ static bool quad_rows(const kernels::RoutingInputs& in) {
+    return in.scores_stride == kExperts && (reinterpret_cast<uintptr_t>(in.scores) & 15) == 0;
+  }
+
+  // Token t loaded by a quad of lanes (`sub` = lane % 4, every lane of the warp calling it):
+  // its indices, gradients and whole row of scores at once, in one round trip instead of the
+  // indices' and then the gather's (the row's 16-byte chunks dealt round robin, ~the bytes of
+  // the gather's 8 sectors). The chosen scores then move between the quad's lanes by
+  // shuffles. Every lane ends with the whole row. `live`: the same in the quad.
+  template <int kExperts>
+  __device__ __forceinline__ void load_quad(const kernels::RoutingInputs& in, int64_t t,
+                                            bool live, int sub) {
+    static_assert(kExperts % 32 == 0, "a score row of whole 16-byte chunks per lane");
+    constexpr int kChunks = kExperts / 32;  // per lane
+    constexpr unsigned kAll = 0xffffffffu;
+    valid = live;
+    uint4 chunk[kChunks];
+    longlong2 pair = make_longlong2(-1, -1);
+    grad4 = make_uint4(0, 0, 0, 0);
+    if (live) {
+      const uint4* row = static_cast<const uint4*>(in.scores) + t * (kExperts / 8);
+      grad4 = __ldg(static_cast<const uint4*>(in.grad) + t);
+      pair = __ldg(static_cast<const longlong2*>(in.idx) + t * (kTopK / 2) + sub);
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) chunk[i] = __ldg(row + sub + 4 * i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) chunk[i] = make_uint4(0, 0, 0, 0);
+    }
+    const int lo = kernels::narrow_index(pair.x), hi = kernels::narrow_index(pair.y);
+    const int quad0 = (threadIdx.x % 32) & ~3;
+    uint32_t picked[kTopK / 2] = {};  // the chosen scores this lane holds, bf16 pairs
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) {
+      const int e = __shfl_sync(kAll, k % 2 ? hi : lo, quad0 + k / 2);
+      idx_[k] = e;
+      // Element e is word (e / 2) % 4 of chunk e / 8, which is lane (e / 8) % 4's chunk e / 32.
+      const int word = (e >> 1) & 3, mine = e >> 5;
+      uint32_t w = 0;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 c = chunk[i];
+        const uint32_t pick = word == 0 ? c.x : word == 1 ? c.y : word == 2 ? c.z : c.w;
+        w = i == mine ? pick : w;
+      }
+      const bool held = unsigned(e) < unsigned(kExperts) && ((e >> 3) & 3) == sub;
+      const uint32_t half = held ? (w >> (16 * (e & 1))) & 0xffffu : 0u;
+      picked[k / 2] |= half << (16 * (k % 2));
+    }
+#pragma unroll
+    for (int v = 0; v < kTopK / 2; ++v) {
+      picked[v] |= __shfl_xor_sync(kAll, picked[v], 1);
+      picked[v] |= __shfl_xor_sync(kAll, picked[v], 2);
+    }
+#pragma unroll
+    for (int k = 0; k < kTopK; ++k) score[k] = (picked[k / 2] >> (16 * (k % 2))) & 0xffffu;
+  }
 };
 
 // One token's packed row of G (PackedRow, K = 8) in global memory, 32 bytes: experts and
