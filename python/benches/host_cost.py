@@ -1,6 +1,6 @@
 """Host cost and GPU operations of one call of the PyTorch ops, as a training step makes it.
 
-    python python/benches/host_cost.py [--tokens T] [--json PATH]
+    python python/benches/host_cost.py [--tokens T] [--json PATH] [--engine]
 
 On the public benchmark's shape (GLM-4.5: H 5120, E 160, K 8, 8 groups of which 4) and its
 interface for the backward (int64 indices, bf16 scores of all experts, bf16 gradients, bf16
@@ -91,6 +91,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print the profiler's CPU-side events per call (host_breakdown)")
+    ap.add_argument("--engine", action="store_true",
+                    help="also time the backward as a training step runs it: autograd's engine "
+                         "applying route's node (torch.autograd.grad of topk_weights), beside the "
+                         "same for torch.mul, whose difference is route's node")
     ap.add_argument("--inference-mode", action="store_true",
                     help="every call under torch.inference_mode() (a diagnostic: what autograd's "
                          "dispatch and bookkeeping add to a call)")
@@ -133,8 +137,34 @@ def run(opts):
         if opts.breakdown:
             for key, count, us in host_breakdown(call)[:12]:
                 print(f"      {us:7.2f} us  x{count:g}  {key[:90]}")
+    if opts.engine and not opts.inference_mode:
+        engine_cost(out, x, w, b, grad)
     if opts.json:
         Path(opts.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def engine_cost(out, x, w, b, grad):
+    """Host µs of one backward through autograd's engine: torch.autograd.grad of route's
+    topk_weights with respect to x and w, the graph kept (the engine hands the graph to its
+    device thread and waits for it, in every call), beside the same call on torch.mul's graph;
+    the difference is what route's node costs a training step beyond an elementwise op's."""
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    _, weights, _ = torch.ops.moe_routing.route(xg, wg, b, K, GROUPS, TOPK_GROUP, SCALE, True)
+    g = grad.to(weights.dtype)
+    route_grad = lambda: torch.autograd.grad(weights, (xg, wg), g, retain_graph=True)
+    a = grad.float().requires_grad_()
+    y = torch.mul(a, a)
+    mul_grad = lambda: torch.autograd.grad(y, (a,), grad.float(), retain_graph=True)
+    for name, call in (("reference_engine", mul_grad), ("backward_engine", route_grad)):
+        call()
+        torch.cuda.synchronize()
+        times = host_us(call)
+        out[f"host_us_{name}"] = round(times[len(times) // 2], 2)
+    out["host_us_backward_node"] = round(
+        out["host_us_backward_engine"] - out["host_us_reference_engine"], 2)
+    print(f"{'engine':<8} host {out['host_us_backward_engine']:7.1f} us per autograd.grad of "
+          f"route (torch.mul's {out['host_us_reference_engine']:.1f}; route's node "
+          f"{out['host_us_backward_node']:+.1f})")
 
 
 if __name__ == "__main__":
