@@ -152,9 +152,9 @@ def engine_cost(out, x, w, b, grad):
     _, weights, _ = torch.ops.moe_routing.route(xg, wg, b, K, GROUPS, TOPK_GROUP, SCALE, True)
     g = grad.to(weights.dtype)
     route_grad = lambda: torch.autograd.grad(weights, (xg, wg), g, retain_graph=True)
-    a = grad.float().requires_grad_()
+    a, gm = grad.float().requires_grad_(), grad.float()
     y = torch.mul(a, a)
-    mul_grad = lambda: torch.autograd.grad(y, (a,), grad.float(), retain_graph=True)
+    mul_grad = lambda: torch.autograd.grad(y, (a,), gm, retain_graph=True)
     for name, call in (("reference_engine", mul_grad), ("backward_engine", route_grad)):
         call()
         torch.cuda.synchronize()
