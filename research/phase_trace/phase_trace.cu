@@ -26,7 +26,7 @@
 // ACCUMULATE set: the backward adds into grad_w. TORCH_DTYPES set (backward): the inputs as
 // PyTorch holds them (int64 indices, bf16 scores of all experts, bf16 gradients; grad_w bf16),
 // through the any-K kernels, which pack them into compact rows once per launch (phases 11: a
-// CTA's first row stored, 12: all its rows, 13: every CTA's arrival seen, 10: past that grid
+// CTA's first row stored, 12: all its rows, 13: every CTA's arrival seen, 14: past that grid
 // barrier), as the public range runs. TRACE_CTAS=ID,ID,...: also those phase ids of
 // every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: research/phase_trace/build.sh (needs no GPU); run

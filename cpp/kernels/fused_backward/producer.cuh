@@ -218,7 +218,7 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
         if (ticket_acq_rel(packed + 1) == int(ctas) - 1) packed[0] = 0, packed[1] = 0;
       }
       cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
-      MOE_ROUTING_TRACE(thread == 0, 10);
+      MOE_ROUTING_TRACE(thread == 0, 14);  // past the barrier (10: unit 0's x stage arrived)
     }
   };
   using Format = RowFormat;
