@@ -99,6 +99,8 @@ def main():
                     help="every call under torch.inference_mode() (a diagnostic: what autograd's "
                          "dispatch and bookkeeping add to a call)")
     opts = ap.parse_args()
+    if opts.engine and opts.inference_mode:
+        ap.error("--engine times autograd's engine, which --inference-mode turns off")
     with torch.inference_mode() if opts.inference_mode else contextlib.nullcontext():
         run(opts)
 
@@ -137,7 +139,7 @@ def run(opts):
         if opts.breakdown:
             for key, count, us in host_breakdown(call)[:12]:
                 print(f"      {us:7.2f} us  x{count:g}  {key[:90]}")
-    if opts.engine and not opts.inference_mode:
+    if opts.engine:
         engine_cost(out, x, w, b, grad)
     if opts.json:
         Path(opts.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -166,8 +166,8 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
   };
   // Compact rows: the producers of all CTAs first pack every token's G row once (token t by
   // thread t / ctas % 128 of CTA t % ctas, or with Cfg::kQuadRows by a quad of lanes), into
-  // global memory; once all CTAs have (a grid
-  // barrier: the grid is at most one CTA per SM, all resident), each unit reads its tile's
+  // global memory; once all CTAs have (a grid barrier: the grid is at most one CTA per SM, all
+  // resident), each unit reads its tile's
   // packed rows (32 bytes a token) instead of gathering and packing them again, as every one
   // of the H / kTileH slices' units did: that per-unit gather and packing kept the PyTorch
   // dtypes 1.6x slower than the training dtypes at T = 1264 (backward v22).
@@ -176,34 +176,38 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
     if constexpr (Cfg::kAnyK) {
       const int64_t ctas = gridDim.x;
       using Torch = TokenRouting<Cfg::kTopK, RowFormat::kTorch>;
-      bool stored = false;
-      if constexpr (decltype(format)::value == RowFormat::kTorch && Cfg::kQuadRows) {
-        if (Torch::template quad_rows<kExperts>(p.routing)) {
-          // A quad of lanes per token (load_quad): the CTA's tokens cta + ctas * i, 32 a pass;
-          // every lane runs every pass (the quads' shuffles).
-          constexpr int kQuads = kTileT / 4;
-          const int quad = thread / 4, sub = thread % 4;
-          const int64_t mine = p.tokens > cta ? (p.tokens - cta + ctas - 1) / ctas : 0;
-          for (int64_t i0 = 0; i0 < mine; i0 += kQuads) {
-            const int64_t i = i0 + quad, t = cta + ctas * i;
-            Torch r;
-            r.template load_quad<kExperts>(p.routing, t, i < mine, sub);
-            const PackedRow<Cfg::kTopK> row =
-                pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm, rounding_at(0));
-            if (i < mine && sub == 0) store_compact_row(p.compact, t, row);
-            MOE_ROUTING_TRACE(thread == 0 && i0 == 0, 11);  // its first row stored
-          }
-          stored = true;
+      auto by_threads = [&] {  // a thread per token
+        for (int64_t t = cta + ctas * thread; t < p.tokens; t += ctas * kTileT) {
+          TokenRouting<Cfg::kTopK, decltype(format)::value> r;
+          if constexpr (decltype(format)::value == RowFormat::kTorch) r.load_direct(p.routing, t);
+          else r.load(p.routing, t, p.tokens, p.top_k);
+          store_compact_row(p.compact, t,
+                            pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm,
+                                                            rounding_at(0)));
+          MOE_ROUTING_TRACE(thread == 0 && t == cta, 11);  // its first row stored
         }
-      }
-      for (int64_t t = cta + ctas * thread; !stored && t < p.tokens; t += ctas * kTileT) {
-        TokenRouting<Cfg::kTopK, decltype(format)::value> r;
-        if constexpr (decltype(format)::value == RowFormat::kTorch) r.load_direct(p.routing, t);
-        else r.load(p.routing, t, p.tokens, p.top_k);
-        store_compact_row(p.compact, t,
-                          pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm,
-                                                          rounding_at(0)));
-        MOE_ROUTING_TRACE(thread == 0 && t == cta, 11);  // its first row stored
+      };
+      // A quad of lanes per token (load_quad): the CTA's tokens cta + ctas * i, 32 a pass;
+      // every lane runs every pass (the quads' shuffles).
+      auto by_quads = [&] {
+        constexpr int kQuads = kTileT / 4;
+        const int quad = thread / 4, sub = thread % 4;
+        const int64_t mine = p.tokens > cta ? (p.tokens - cta + ctas - 1) / ctas : 0;
+        for (int64_t i0 = 0; i0 < mine; i0 += kQuads) {
+          const int64_t i = i0 + quad, t = cta + ctas * i;
+          Torch r;
+          r.template load_quad<kExperts>(p.routing, t, i < mine, sub);
+          const PackedRow<Cfg::kTopK> row =
+              pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm, rounding_at(0));
+          if (i < mine && sub == 0) store_compact_row(p.compact, t, row);
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0, 11);  // its first row stored
+        }
+      };
+      if constexpr (decltype(format)::value == RowFormat::kTorch && Cfg::kQuadRows) {
+        if (Torch::template quad_rows<kExperts>(p.routing)) by_quads();
+        else by_threads();
+      } else {
+        by_threads();
       }
       // One release for the CTA (the barrier orders every builder's stores before it); the
       // last CTA past the wait resets both counters for the next launch.
