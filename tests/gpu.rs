@@ -69,6 +69,7 @@ fn main() {
             "backward_fused_any_top_k",
             backward::backward_fused_any_top_k,
         ),
+        ("backward_wide_experts", backward::backward_wide_experts),
         (
             "backward_unaligned_routing_rows",
             backward::backward_unaligned_routing_rows,

@@ -140,6 +140,23 @@ BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms) {
   return best;
 }
 
+// The wide kernels (more than 256 experts): one CTA per 64-column slice, or, where the slices
+// leave SMs idle, k CTAs per slice summed spread, as plan64, in 64-token units of up to 512
+// experts. The spread sum's cost, kSpreadSumWide units, is plan64's scaled by the partial's size
+// over the unit's work (an estimate, not yet measured).
+BackwardPlan plan_wide(int64_t tiles, int64_t slices, int num_sms) {
+  constexpr double kSpreadSumWide = 10.0;
+  const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
+  BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
+  double best_cost = double(tiles);
+  if (slices > kMaxCounterSlices) return best;
+  for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
+    const double cost = kSpreadSumWide + double(ceil_div(tiles, k));
+    if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
+  }
+  return best;
+}
+
 // The kernel of E for the plan's slice width: K = 8 with 16-byte aligned routing rows in the
 // training dtypes has its own where E has one (vector loads); any other K, alignment or dtype
 // takes the any-K one.
@@ -156,6 +173,11 @@ Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
+  // More than 256 experts: the wide kernels, any K up to 16, E a multiple of 16 up to 512.
+  if (fused_backward_wide_shape(cfg))
+    return fused_backward_wide_row_for(cfg.n_routed_experts) >= 0 &&
+           cfg.num_experts_per_tok >= 1 && cfg.num_experts_per_tok <= kWideTopK &&
+           cfg.hidden_size % 64 == 0 && cfg.hidden_size / 64 <= kMaxCounterSlices;
   // K up to 8 (K = 8 with aligned routing rows has kernels of its own where E does:
   // launch_passes).
   if (cfg.num_experts_per_tok < 1 || cfg.num_experts_per_tok > 8) return false;
@@ -166,13 +188,25 @@ bool fused_backward_supported(const RouterConfig& cfg) {
          cfg.hidden_size / 64 <= kMaxCounterSlices;
 }
 
+bool fused_backward_takes(const RouterConfig& cfg, Precision precision) {
+  // (The wide kernels have no residual sweep: precise mode takes the simple path's GEMMs.)
+  return fused_backward_supported(cfg) &&
+         !(fused_backward_wide_shape(cfg) && precision == Precision::kPrecise);
+}
+
 // Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16
 // G leaves out (in a fixed order: still deterministic): in the same launch where each CTA has
 // one segment (the residual's sweep first), else as a second launch that adds into grad_w.
 // grad_x is the G sweep's: with G in bf16 its error stays within grad_x's own bf16 rounding.
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int device,
                              cudaStream_t stream) {
-  if (!fused_backward_supported(cfg)) return Status::kUnsupported;
+  if (!fused_backward_takes(cfg, a.precision)) return Status::kUnsupported;
+  if (fused_backward_wide_shape(cfg)) {
+    const int row = fused_backward_wide_row_for(cfg.n_routed_experts);
+    const BackwardPlan pl =
+        plan_wide(ceil_div(a.tokens, int64_t(64)), cfg.hidden_size / 64, sm_count(device));
+    return kLaunch[row](cfg, a, device, pl, stream, kernels::fused_backward::kPassG);
+  }
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl =
       has_fused_backward(cfg.n_routed_experts, 128)

@@ -18,27 +18,46 @@ constexpr size_t kTicketBytes = kCompactCounterOffset + 256;
 // Upper bound on the persistent grid (one CTA per SM), for workspace sizing.
 constexpr int kFusedMaxCtas = 160;
 
-// True where the fused kernel handles the shape (others take the simple path), in either
-// precision.
+// True where the fused kernel handles the shape (others take the simple path), in every
+// precision but, for more than 256 experts (the wide kernels), precise mode
+// (fused_backward_takes).
 bool fused_backward_supported(const RouterConfig& cfg);
+
+// True where the fused kernel handles the call: the shape, and for the wide kernels (more than
+// 256 experts) not precise mode.
+bool fused_backward_takes(const RouterConfig& cfg, Precision precision);
 
 // The 128-column plan's unit: kTileT tokens by kTileH hidden columns.
 constexpr int64_t kTileT = 128, kTileH = 128;
 
+// The wide kernels' shapes (more than 256 experts): 64-token tiles of 64-column slices, partials
+// of up to kWideMaxExperts experts where k >= 2 CTAs share a slice (fewer than ctas + slices,
+// the grid at most kFusedMaxCtas), and a packed row of 64 bytes per token.
+constexpr int64_t kWideMaxExperts = 512;
+inline bool fused_backward_wide_shape(const RouterConfig& cfg) { return cfg.n_routed_experts > 256; }
+
 // Scratch bytes after the tickets for the fused kernel: grad_w partials, then (from
-// fused_backward_compact_offset) a compact routing row of 32 bytes per token.
+// fused_backward_compact_offset) a compact routing row of 32 bytes per token (64: the wide
+// kernels).
 inline size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
   // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
   // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
   const int64_t slices = cfg.hidden_size / kTileH;
   const int64_t units = (tokens + kTileT - 1) / kTileT * slices;
   const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  const size_t partials =
+  size_t partials =
       size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  if (fused_backward_wide_shape(cfg)) {
+    const int64_t slices64 = cfg.hidden_size / 64, tiles64 = (tokens + 63) / 64;
+    const int64_t ctas64 = tiles64 * slices64 < kFusedMaxCtas ? tiles64 * slices64 : kFusedMaxCtas;
+    const size_t wide = size_t(ctas64 + slices64) * size_t(kWideMaxExperts * 64) * sizeof(float);
+    if (wide > partials) partials = wide;
+  }
   return (partials + 255) / 256 * 256;
 }
 inline size_t fused_backward_scratch_bytes(const RouterConfig& cfg, int64_t tokens) {
-  return fused_backward_compact_offset(cfg, tokens) + size_t(tokens) * 32;
+  return fused_backward_compact_offset(cfg, tokens) +
+         size_t(tokens) * (fused_backward_wide_shape(cfg) ? 64 : 32);
 }
 
 Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& args, int device,
@@ -85,6 +104,7 @@ inline bool routing_rows_aligned16(const BackwardArgs& a) {
 
 using kernels::fused_backward::GradWSum;
 using kernels::fused_backward::kAnyTopK;
+using kernels::fused_backward::kWideTopK;
 
 // The persistent grid and how it sums grad_w (schedule.cuh). kSpread and kCluster:
 // ctas = per_slice · slices, per_slice >= 2 (kCluster: the cluster size, <= 8). tile_h: the

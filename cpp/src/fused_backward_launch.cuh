@@ -7,6 +7,7 @@
 
 #include "fused_backward.h"
 #include "kernels/fused_backward/kernel_sm90.cuh"
+#include "kernels/fused_backward_wide/kernel_sm90.cuh"
 #include "launch.h"
 
 namespace moe_routing::detail {
@@ -37,6 +38,86 @@ struct Kernel {
   static constexpr bool kLargeClusters = false;  // clusters of at most 8
 };
 
+// The wide kernel's TMA descriptors: x and grad_x as above, w as (H, E) with h contiguous, in
+// boxes of 64 h × kExperts / 2 e.
+template <int kExperts>
+auto make_wide_params(const cutlass::bfloat16_t* x, cutlass::bfloat16_t* grad_x,
+                      const cutlass::bfloat16_t* w, int64_t hidden, int64_t tokens,
+                      int64_t experts) {
+  using namespace cute;
+  using Cfg = kernels::fused_backward_wide::Config<kExperts>;
+  Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(hidden), int(tokens)),
+                          make_stride(_1{}, hidden));
+  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
+  Tensor mGX = make_tensor(make_gmem_ptr(grad_x), make_shape(int(hidden), int(tokens)),
+                           make_stride(_1{}, hidden));
+  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGXHalf{});
+  Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(int(hidden), int(experts)),
+                          make_stride(_1{}, hidden));
+  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutWHalf{});
+  using P = kernels::fused_backward_wide::Params<decltype(tma_x), decltype(tma_gx),
+                                                 decltype(tma_w)>;
+  return P{tma_x, tma_gx, tma_w};
+}
+
+template <int kExperts>
+struct WideKernel {
+  using Cfg = kernels::fused_backward_wide::Config<kExperts>;
+  using P = decltype(make_wide_params<kExperts>(nullptr, nullptr, nullptr, 128, 1, kExperts));
+  static constexpr auto kernel = kernels::fused_backward_wide::fused_backward_wide_sm90<Cfg, P>;
+  static constexpr bool kLargeClusters = false;
+};
+
+// The wide kernel (kWideTopK rows): any K up to 16 and E up to kExperts, every dtype; 64-column
+// slices, one CTA each or k CTAs summed spread (plan_wide). Not precise mode.
+template <int kExperts>
+Status launch_wide(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                   const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
+  using K = WideKernel<kExperts>;
+  using Cfg = typename K::Cfg;
+  using Elem = typename Cfg::Elem;
+  const int top_k = cfg.num_experts_per_tok;
+  const int64_t E = cfg.n_routed_experts, H = cfg.hidden_size, T = a.tokens;
+  if (top_k < 1 || top_k > Cfg::kTopK || E < 1 || E > kExperts || E % 16 != 0 ||
+      passes != kernels::fused_backward::kPassG || a.precision == Precision::kPrecise)
+    return Status::kUnsupported;
+  if (Status s = prepare_kernel<K>(device); s != Status::kSuccess) return s;
+  typename K::P p = make_wide_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
+                                               reinterpret_cast<Elem*>(a.grad_x.data),
+                                               reinterpret_cast<const Elem*>(a.w.data), H, T, E);
+  p.routing = routing_inputs(cfg, a);
+  p.grad_w = a.grad_w.data;
+  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
+  p.torch_bf16 = a.precision == Precision::kTorchBf16;
+  p.tickets = reinterpret_cast<int*>(a.workspace.data);
+  p.readers = p.tickets + kMaxCounterSlices;
+  p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
+  p.rows = reinterpret_cast<kernels::fused_backward_wide::WideRow*>(
+      a.workspace.data + kTicketBytes + fused_backward_compact_offset(cfg, T));
+  p.row_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);
+  p.tokens = T;
+  p.hidden = int(H);
+  p.experts = int(E);
+  p.top_k = top_k;
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  p.accumulate = a.accumulate_grad_w;
+  p.sum = plan.sum;
+  p.per_slice = plan.per_slice;
+  p.sched.tiles = ceil_div(T, Cfg::kTileT);
+  p.sched.slices = H / Cfg::kTileH;
+  p.sched.ctas = plan.ctas;
+  if (p.sched.slices > kMaxCounterSlices || plan.tile_h != Cfg::kTileH || H % Cfg::kTileH != 0)
+    return Status::kUnsupported;
+  // One segment per CTA: a whole slice (kLastCta), or one of its k parts (kSpread).
+  const bool whole = plan.sum == GradWSum::kLastCta && int64_t(plan.ctas) == p.sched.slices;
+  const bool spread = plan.sum == GradWSum::kSpread && plan.per_slice >= 2 &&
+                      plan.per_slice <= p.sched.tiles &&
+                      int64_t(plan.ctas) == int64_t(plan.per_slice) * p.sched.slices;
+  if (!whole && !spread) return Status::kUnsupported;
+  return launch_dependent<K>(unsigned(plan.ctas), 1, stream, p);
+}
+
 }  // namespace fused_backward_impl
 
 template <int kExperts, int kTopK, int kTileH>
@@ -47,9 +128,11 @@ int fused_backward_active_clusters(int cluster, int device) {
                                                                                     device);
 }
 
+namespace fused_backward_impl {
+
 template <int kExperts, int kTopK, int kTileH>
-Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
-                               const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
+Status launch_narrow(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                     const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
   using K = fused_backward_impl::Kernel<kExperts, kTopK, kTileH>;
   using Cfg = typename K::Cfg;
   using Elem = typename Cfg::Elem;
@@ -115,6 +198,20 @@ Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, i
 
   const int cluster = plan.sum == GradWSum::kCluster ? plan.per_slice : 1;
   return launch_dependent<K>(unsigned(plan.ctas), cluster, stream, p);
+}
+
+}  // namespace fused_backward_impl
+
+template <int kExperts, int kTopK, int kTileH>
+Status launch_fused_backward_e(const RouterConfig& cfg, const BackwardArgs& a, int device,
+                               const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
+  if constexpr (kTopK == kWideTopK) {
+    static_assert(kTileH == 64, "the wide kernel's slices are 64 columns");
+    return fused_backward_impl::launch_wide<kExperts>(cfg, a, device, plan, stream, passes);
+  } else {
+    return fused_backward_impl::launch_narrow<kExperts, kTopK, kTileH>(cfg, a, device, plan,
+                                                                       stream, passes);
+  }
 }
 
 }  // namespace moe_routing::detail

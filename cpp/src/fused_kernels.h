@@ -7,6 +7,7 @@
 namespace moe_routing::detail {
 
 using kernels::fused_backward::kAnyTopK;
+using kernels::fused_backward::kWideTopK;
 
 struct FusedForwardKernel {
   int experts;
@@ -72,9 +73,27 @@ constexpr bool has_fused_backward(long long experts, int tile_h) {
   return fused_backward_row(experts, kAnyTopK, tile_h) >= 0;
 }
 
+// The wide backward row that serves E (more than 256 experts, a multiple of 16): the narrowest
+// one at least as wide, its experts beyond E masked; -1 where none.
+constexpr int fused_backward_wide_row_for(long long experts) {
+  if (experts <= 256 || experts % 16 != 0) return -1;
+  int best = -1;
+  for (int i = 0; i < kNumFusedBackward; ++i) {
+    const FusedBackwardKernel& k = kFusedBackwardKernels[i];
+    if (k.top_k == kWideTopK && k.experts >= experts &&
+        (best < 0 || k.experts < kFusedBackwardKernels[best].experts))
+      best = i;
+  }
+  return best;
+}
+
 namespace fused_kernels_check {
 constexpr bool backward_rows_complete() {
   for (const FusedBackwardKernel& k : kFusedBackwardKernels) {
+    if (k.top_k == kWideTopK) {  // the wide kernels: more than 256 experts, 64-column slices
+      if (k.experts <= 256 || k.tile_h != 64) return false;
+      continue;
+    }
     if ((k.top_k != 8 && k.top_k != kAnyTopK) || (k.tile_h != 64 && k.tile_h != 128)) return false;
     if (!has_fused_backward(k.experts, k.tile_h)) return false;  // an any-K kernel beside K = 8
     if (k.tile_h == 128 && !has_fused_backward(k.experts, 64)) return false;  // (small T)
@@ -92,7 +111,8 @@ constexpr bool rows_unique() {
 }
 static_assert(backward_rows_complete(),
               "fused_kernels.def: top_k 8 or kAnyTopK, tile_h 64 or 128; an any-K row beside each "
-              "K = 8 one, and 64-wide rows for each E with 128-wide ones");
+              "K = 8 one, and 64-wide rows for each E with 128-wide ones; wide rows (kWideTopK) "
+              "above 256 experts, tile_h 64");
 static_assert(rows_unique(), "fused_kernels.def: a row twice");
 }  // namespace fused_kernels_check
 

@@ -28,7 +28,7 @@ Status router_backward(const RouterConfig& cfg, const BackwardArgs& a, cudaStrea
         cudaMemsetAsync(a.grad_w.data, 0, size_t(E * H) * dtype_bytes(a.grad_w.dtype), stream));
   }
 
-  if (detail::fused_backward_supported(cfg))
+  if (detail::fused_backward_takes(cfg, a.precision))
     return detail::launch_fused_backward(cfg, a, device, stream);
 
   kernels::BackwardParams p{};

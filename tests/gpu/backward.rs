@@ -96,6 +96,76 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
     }
 }
 
+/// The wide fused backward (more than 256 experts, any K up to 16; 64-token units of 64-column
+/// slices): Kimi-K2's shape (H 7168, E 384, K 8: one CTA per slice) from one token up; 16 slices
+/// at top-16, where k CTAs share a slice and sum its grad_w spread; E = 320 and 272 on the
+/// 384-expert kernel (its experts beyond E masked), with groups and a token tail; 512 experts at
+/// top-16 (one CTA per slice at T = 1000, two summed spread at 5000 on an H200) and 448 on that
+/// kernel. Precise mode takes the simple path for these shapes (check_fused_case checks it too).
+pub(super) fn backward_wide_experts(s: &Arc<CudaStream>) {
+    let kimi_k2 = RouterConfig {
+        hidden_size: 7168,
+        n_routed_experts: 384,
+        num_experts_per_tok: 8,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 2.827,
+        norm_topk_prob: true,
+    };
+    let top16 = RouterConfig {
+        hidden_size: 1024,
+        num_experts_per_tok: 16,
+        n_group: 8,
+        topk_group: 4,
+        ..kimi_k2
+    };
+    let masked = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 320,
+        num_experts_per_tok: 10,
+        n_group: 4,
+        topk_group: 2,
+        ..kimi_k2
+    };
+    let narrowest = RouterConfig {
+        hidden_size: 512,
+        n_routed_experts: 272,
+        num_experts_per_tok: 3,
+        ..kimi_k2
+    };
+    // 512 experts: the dgrad warpgroup also takes wgrad of the first 128.
+    let e512 = RouterConfig {
+        hidden_size: 4096,
+        n_routed_experts: 512,
+        num_experts_per_tok: 16,
+        n_group: 8,
+        topk_group: 4,
+        routed_scaling_factor: 1.0,
+        ..kimi_k2
+    };
+    let e448 = RouterConfig {
+        hidden_size: 1024,
+        n_routed_experts: 448,
+        ..kimi_k2
+    };
+    for (i, (cfg, tokens)) in [
+        (kimi_k2, 1),
+        (kimi_k2, 1000),
+        (kimi_k2, 4096),
+        (top16, 3001),
+        (masked, 777),
+        (narrowest, 2049),
+        (e512, 1000),
+        (e512, 5000),
+        (e448, 333),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        check_fused_case(s, &cfg, tokens, fresh_seed() ^ (i as u64) << 20);
+    }
+}
+
 /// One shape on the fused kernels: against the reference in both precisions, accumulating or
 /// not, and bitwise repeatable. The library must say the shape is fused, and the fused kernels
 /// take G as bf16 in the default mode (grad_w ~1e-3 off; so does the simple path's tensor-core

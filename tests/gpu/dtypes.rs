@@ -340,6 +340,8 @@ pub fn backward_dtypes_small(s: &Arc<CudaStream>) {
         (cfg(512, 160, 8, 1, 1), 300),  // fused, K = 8
         (cfg(256, 64, 6, 1, 1), 200),   // fused, any K
         (cfg(1024, 256, 8, 8, 4), 333), // fused, 256 experts
+        (cfg(512, 384, 8, 1, 1), 150),  // fused wide, 384 experts
+        (cfg(256, 320, 12, 4, 2), 90),  // fused wide, 320 experts on the 384 kernel, top-12
         (cfg(136, 96, 5, 4, 2), 77),    // simple
     ];
     for (i, (c, tokens)) in shapes.into_iter().enumerate() {

@@ -65,6 +65,10 @@ struct Config {
   // 0.1-0.5 us faster a call on the 64-column plans, 0.9-2.5 us slower on the 128-column ones
   // (backward v29); measured at 128 and 160 experts (E = 256's producer already spills).
   static constexpr bool kQuadRows = kAnyK && kRoleSplit && kExperts >= 128 && kExperts <= 160;
+  static constexpr bool kMaskedExperts = false;  // (fused_backward_wide: E below the kernel's)
+  // Vectors a thread sums at once in a share of grad_w (grad_w_sum.cuh): 10, the most of these
+  // kernels' shares (E = 160, 128 columns, k = 2), so that theirs are never cut.
+  static constexpr int kSumMaxPer = 10;
   static constexpr int kStagesX = kStagesX_;
   static constexpr int kStagesG = kStagesG_;
   static constexpr int kConsumers = 2;  // consumer warpgroups

@@ -56,6 +56,18 @@ __device__ __forceinline__ void grad_w_sum_producer(const P& p, const CtaWork& w
   }
 }
 
+// A warpgroup's wgrad accumulators (h, e) of kN experts from e0 on, partitioned by thr_w, into
+// rows e of kStride floats at `staged`.
+template <int kTileH, int kN, int kStride, class ThrMmaW, class AccW>
+__device__ __forceinline__ void stage_accumulators(const ThrMmaW& thr_w, const AccW& acc_w,
+                                                   float* staged, int e0) {
+  Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<kN>>{});  // (h, e) → (h, e)
+  Tensor tWcW = thr_w.partition_C(cW);                              // like acc_w
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_w); ++i)
+    staged[(e0 + get<1>(tWcW(i))) * kStride + get<0>(tWcW(i))] = acc_w(i);
+}
+
 // The consumer threads' grad_w: thread ct (0..255) of the two consumer warpgroups, whose wgrad
 // accumulators are acc_w (partitioned by thr_w).
 template <class Cfg, class P, class ThrMmaW, class AccW>
@@ -114,11 +126,13 @@ struct GradWWriter {
 
   // Vectors [v0, v1) of a slice of grad_w, summed over `sources` partials in source order
   // (after grad_w itself when accumulating) and written: thread ct takes v0 + ct + 256 j,
-  // j < kPer. `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
+  // j < kPer. (Cfg::kMaskedExperts: the kernel's rows beyond the E it runs for, Params::experts,
+  // are neither read nor written.) `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
   // before any is added, so a batch costs one round trip.
   template <int kPer, int kBatch, class Part>
   __device__ __forceinline__ void sum_vectors(int64_t slice, int v0, int v1, int sources,
                                               Int<kPer>, Int<kBatch>, Part&& part) const {
+    if constexpr (Cfg::kMaskedExperts) v1 = cute::min(v1, p.experts * kVecsPerRow);
     float4 sum[kPer];
     CUTE_UNROLL
     for (int j = 0; j < kPer; ++j) {
@@ -159,10 +173,20 @@ struct GradWWriter {
     const int v0 = rank * kSliceVecs / k, v1 = (rank + 1) * kSliceVecs / k;
     // Vectors per thread of the largest share of k (k >= 4: at most that of 4).
     constexpr auto per_thread = [](int k) { return ((kSliceVecs + k - 1) / k + 255) / 256; };
-    if (k == 2) sum_vectors(slice, v0, v1, k, Int<per_thread(2)>{}, Int<2>{}, part);
-    else if (k == 3) sum_vectors(slice, v0, v1, k, Int<per_thread(3)>{}, Int<3>{}, part);
-    else sum_vectors(slice, v0, v1, k, Int<per_thread(4)>{}, Int<4>{}, part);
+    if constexpr (per_thread(2) > kMaxPer) {
+      // Wide slices (fused_backward_wide): chunks of kMaxPer vectors a thread, so that a batch's
+      // loads stay within the registers.
+      for (int c0 = v0; c0 < v1; c0 += 256 * kMaxPer)
+        sum_vectors(slice, c0, cute::min(v1, c0 + 256 * kMaxPer), k, Int<kMaxPer>{}, Int<2>{},
+                    part);
+    } else {
+      if (k == 2) sum_vectors(slice, v0, v1, k, Int<per_thread(2)>{}, Int<2>{}, part);
+      else if (k == 3) sum_vectors(slice, v0, v1, k, Int<per_thread(3)>{}, Int<3>{}, part);
+      else sum_vectors(slice, v0, v1, k, Int<per_thread(4)>{}, Int<4>{}, part);
+    }
   }
+  // Vectors a thread sums at once where a share is larger (Config::kSumMaxPer).
+  static constexpr int kMaxPer = Cfg::kSumMaxPer;
 
   // grad_w of a segment that is the whole slice, straight to grad_w (kTileH = 128).
   // (Accumulating loads and adds element by element, one round trip each: it runs only where
@@ -220,13 +244,10 @@ struct GradWWriter {
                                      v % kVecsPerRow * 4);
   }
   __device__ __forceinline__ auto red_vec(int v) const { return staged_vec(red, v); }
-  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages.
-  __device__ __forceinline__ void stage_acc_w(float* staged) const {
-    Tensor cW = make_identity_tensor(Shape<Int<kTileH>, Int<Cfg::kWgradN>>{});  // (h, e) → (h, e)
-    Tensor tWcW = thr_w.partition_C(cW);  // like acc_w
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_w); ++i)
-      staged[get<1>(tWcW(i)) * kRedStride + get<0>(tWcW(i))] = acc_w(i);
+  // acc_w → [E][kRedStride] at `staged`, once both warpgroups are done with the stages. e0: the
+  // first expert of acc_w (fused_backward_wide: each wgrad warpgroup holds a share of them).
+  __device__ __forceinline__ void stage_acc_w(float* staged, int e0 = 0) const {
+    stage_accumulators<kTileH, Cfg::kWgradN, kRedStride>(thr_w, acc_w, staged, e0);
   }
   __device__ __forceinline__ void stage_partial() const {
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);  // both warpgroups done with sX

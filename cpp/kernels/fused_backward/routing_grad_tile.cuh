@@ -441,19 +441,17 @@ enum class GradRounding : int {
   kTorchBf16,  // every step rounded to bf16 as eager PyTorch does (routing_inputs.cuh)
 };
 
-// The routing gradients of one token: scaling, normalization and sigmoid gradients, rounded
-// to bf16 as `rounding` says. Indices outside [0, E) contribute nothing.
-template <int kExperts, int kTopK, RowFormat kFormat>
-__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
-    const TokenRouting<kTopK, kFormat>& in, const kernels::RoutingInputs& dtypes, float scale,
-    bool norm, GradRounding rounding) {
-  PackedRow<kTopK> out{};
-  if (!in.valid) return out;
+// The routing gradients v of one token's slots (fp32, before the bf16 rounding; kResidual: what
+// that rounding leaves out): scaling, normalization and sigmoid gradients, computed as
+// `rounding` says. Unused slots (score and gradient 0) get 0.
+template <int kTopK, RowFormat kFormat>
+__device__ __forceinline__ void routing_grad_values(const TokenRouting<kTopK, kFormat>& in,
+                                                    const kernels::RoutingInputs& dtypes,
+                                                    float scale, bool norm, GradRounding rounding,
+                                                    float (&v)[kTopK]) {
   float s[kTopK], g[kTopK];
 #pragma unroll
   for (int k = 0; k < kTopK; ++k) s[k] = in.score_at(dtypes, k), g[k] = in.grad_at(dtypes, k);
-  const int* e = in.idx();
-  float v[kTopK];
   if (TokenRouting<kTopK, kFormat>::kTorchRounding && rounding == GradRounding::kTorchBf16) {
     float sb[kTopK], gs[kTopK];
     float sum_s = 0.0f, dot = 0.0f;
@@ -483,6 +481,19 @@ __device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
       if (rounding == GradRounding::kResidual) v[k] -= kernels::bf16_round(v[k]);
     }
   }
+}
+
+// The routing gradients of one token, packed: rounded to bf16 as `rounding` says. Indices
+// outside [0, E) contribute nothing.
+template <int kExperts, int kTopK, RowFormat kFormat>
+__device__ __forceinline__ PackedRow<kTopK> pack_routing_grad_row(
+    const TokenRouting<kTopK, kFormat>& in, const kernels::RoutingInputs& dtypes, float scale,
+    bool norm, GradRounding rounding) {
+  PackedRow<kTopK> out{};
+  if (!in.valid) return out;
+  const int* e = in.idx();
+  float v[kTopK];
+  routing_grad_values(in, dtypes, scale, norm, rounding, v);
 #pragma unroll
   for (int k = 0; k < kTopK; k += 2) {
     const __nv_bfloat162 pair = __floats2bfloat162_rn(v[k], v[k + 1]);

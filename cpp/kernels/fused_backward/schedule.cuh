@@ -81,6 +81,8 @@ struct CtaWork {
 // vectors, so the rows must be 16-byte aligned), or kAnyTopK: any K up to 8, given at run time
 // (Params::top_k), the rows loaded element by element (4-byte aligned).
 constexpr int kAnyTopK = 0;
+// The top-k of the wide kernels (fused_backward_wide, more than 256 experts): any K up to 16.
+constexpr int kWideTopK = 16;
 
 // Walks a CTA's units in order as (slice, tile): one division where it starts, none per unit
 // (64-bit divisions and their registers stay out of the loops).
