@@ -50,7 +50,7 @@ for section in $sections; do
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
         "$bench" --bench --filter t32768 --json "$out/ncu-bench.json" ;;
     sanitize)
-      # Small shapes, every grad_w sum mode, zero tokens, validation, and four suite cases with the tails T=3001 and
+      # Small shapes, every grad_w sum mode, the wide backward, zero tokens, validation, and four suite cases with the tails T=3001 and
       # T=10007, under each tool. One process per (tool, test, suite case), SANITIZE_JOBS at
       # a time (racecheck of the larger backward cases takes minutes).
       # The PyTorch dtypes on both suites: four cases, among them the public range's ends.
@@ -59,7 +59,7 @@ for section in $sections; do
       jobs=()
       for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         for t in backward_small_shapes backward_grad_w_sums zero_tokens invalid_arguments \
-          forward_fused_shapes backward_dtypes_small; do
+          forward_fused_shapes backward_dtypes_small backward_wide_small; do
           jobs+=("$tool $t -")
         done
         for t in ${SANITIZE_SUITE_TESTS-suite_backward suite_forward}; do

@@ -36,6 +36,12 @@ mod forward;
 type Test = (&'static str, fn(&Arc<CudaStream>));
 
 fn main() {
+    // The wide fused backward (more than 256 experts) is opt-in until it has run on a GPU: these
+    // tests turn it on, unless the environment says otherwise (MOE_ROUTING_WIDE_BACKWARD=0 tests
+    // those shapes on the simple path).
+    if std::env::var_os("MOE_ROUTING_WIDE_BACKWARD").is_none() {
+        std::env::set_var("MOE_ROUTING_WIDE_BACKWARD", "1");
+    }
     let tests: &[Test] = &[
         ("forward_small_shapes", forward::forward_small_shapes),
         ("forward_fused_shapes", forward::forward_fused_shapes),
@@ -70,6 +76,7 @@ fn main() {
             backward::backward_fused_any_top_k,
         ),
         ("backward_wide_experts", backward::backward_wide_experts),
+        ("backward_wide_small", backward::backward_wide_small),
         (
             "backward_unaligned_routing_rows",
             backward::backward_unaligned_routing_rows,

@@ -170,12 +170,20 @@ Status launch_passes(const RouterConfig& cfg, const BackwardArgs& a, int device,
   return kLaunch[row](cfg, a, device, pl, stream, passes);
 }
 
+// MOE_ROUTING_WIDE_BACKWARD=1 turns the wide kernels on (read at each call of a wide shape, so
+// that a process may set it before its first such call). Off by default until they have run on
+// a GPU: those shapes take the simple path meanwhile.
+bool wide_backward_enabled() {
+  const char* v = std::getenv("MOE_ROUTING_WIDE_BACKWARD");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
   // More than 256 experts: the wide kernels, any K up to 16, E a multiple of 16 up to 512.
   if (fused_backward_wide_shape(cfg))
-    return fused_backward_wide_row_for(cfg.n_routed_experts) >= 0 &&
+    return wide_backward_enabled() && fused_backward_wide_row_for(cfg.n_routed_experts) >= 0 &&
            cfg.num_experts_per_tok >= 1 && cfg.num_experts_per_tok <= kWideTopK &&
            cfg.hidden_size % 64 == 0 && cfg.hidden_size / 64 <= kMaxCounterSlices;
   // K up to 8 (K = 8 with aligned routing rows has kernels of its own where E does:

@@ -40,18 +40,21 @@ inline bool fused_backward_wide_shape(const RouterConfig& cfg) { return cfg.n_ro
 // fused_backward_compact_offset) a compact routing row of 32 bytes per token (64: the wide
 // kernels).
 inline size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
-  // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
-  // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
-  const int64_t slices = cfg.hidden_size / kTileH;
-  const int64_t units = (tokens + kTileT - 1) / kTileT * slices;
-  const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
-  size_t partials =
-      size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
+  size_t partials = 0;
   if (fused_backward_wide_shape(cfg)) {
+    // Partials only where k >= 2 CTAs share a slice (plan_wide: 2 · slices within the grid), of
+    // the kernel's width.
     const int64_t slices64 = cfg.hidden_size / 64, tiles64 = (tokens + 63) / 64;
-    const int64_t ctas64 = tiles64 * slices64 < kFusedMaxCtas ? tiles64 * slices64 : kFusedMaxCtas;
-    const size_t wide = size_t(ctas64 + slices64) * size_t(kWideMaxExperts * 64) * sizeof(float);
-    if (wide > partials) partials = wide;
+    const int64_t width = cfg.n_routed_experts <= 384 ? 384 : kWideMaxExperts;
+    if (tiles64 >= 2 && 2 * slices64 <= kFusedMaxCtas)
+      partials = size_t(kFusedMaxCtas + slices64) * size_t(width * 64) * sizeof(float);
+  } else {
+    // Partial slots: fewer than ctas + slices (schedule.cuh), ctas <= kFusedMaxCtas. (64-column
+    // plans: ctas64 + 2 · slices slots of half the size, ctas64 <= 2 · ctas: they fit.)
+    const int64_t slices = cfg.hidden_size / kTileH;
+    const int64_t units = (tokens + kTileT - 1) / kTileT * slices;
+    const int64_t ctas = units < kFusedMaxCtas ? units : kFusedMaxCtas;
+    partials = size_t(ctas + slices) * size_t(cfg.n_routed_experts * kTileH) * sizeof(float);
   }
   return (partials + 255) / 256 * 256;
 }

@@ -166,6 +166,26 @@ pub(super) fn backward_wide_experts(s: &Arc<CudaStream>) {
     }
 }
 
+/// The wide backward on small shapes, for the sanitizers: E = 384 at K = 8 (one CTA per slice)
+/// and E = 512 at K = 12 (16 slices, 8 CTAs each on an H200, summed spread).
+pub(super) fn backward_wide_small(s: &Arc<CudaStream>) {
+    let cfg = |e, k, h| RouterConfig {
+        hidden_size: h,
+        n_routed_experts: e,
+        num_experts_per_tok: k,
+        n_group: 1,
+        topk_group: 1,
+        routed_scaling_factor: 2.5,
+        norm_topk_prob: true,
+    };
+    for (i, (c, tokens)) in [(cfg(384, 8, 1024), 200), (cfg(512, 12, 1024), 1333)]
+        .into_iter()
+        .enumerate()
+    {
+        check_fused_case(s, &c, tokens, fresh_seed() ^ (i as u64) << 24);
+    }
+}
+
 /// One shape on the fused kernels: against the reference in both precisions, accumulating or
 /// not, and bitwise repeatable. The library must say the shape is fused, and the fused kernels
 /// take G as bf16 in the default mode (grad_w ~1e-3 off; so does the simple path's tensor-core
