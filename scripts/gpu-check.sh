@@ -8,7 +8,8 @@
 # (target/release/deps/backward-<hash>), bench-forward[-bench] (target/release/deps/forward-<hash>)
 # and, optionally, router_example (examples/cpp build)
 # and moe_routing/ (the C/C++ package, for the PyTorch tests). OUT_DIR receives the logs and
-# results. Sections, in order (default: all): tests bench ncu sanitize example python trace.
+# results. Sections, in order (default: all): tests bench ncu sanitize example python trace; and
+# wide (the opt-in wide fused backward).
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
 # longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
 # compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
@@ -76,6 +77,17 @@ for section in $sections; do
         echo "$2 $3 $4: exit $? | $(grep -E "^gpu:" "$log" | tail -1) | $(grep -E "SUMMARY" "$log" | tail -1)"
       ' "$out" "$bin" | sort | tee "$out/sanitize-summary.txt"
       grep -qv ": exit 0 |" "$out/sanitize-summary.txt" && status=1 ;;
+    wide)
+      # The wide fused backward (more than 256 experts; opt-in, MOE_ROUTING_WIDE_BACKWARD=1,
+      # until it has run on a GPU; the GPU tests turn it on themselves): its tests, every expert
+      # count, then the models bench with it (Kimi-K2 and 512 experts "fused"), whose file
+      # sits beside a run without it.
+      step wide-tests 600 "$bin/test-gpu-test" wide &&
+      step wide-every-expert-count 600 "$bin/test-gpu-test" every_expert_count
+      if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
+        MOE_ROUTING_WIDE_BACKWARD=1 MOE_ROUTING_LIB="$bin/moe_routing/lib/libmoe_routing.so" \
+          step wide-models 900 python3 python/benches/models.py --json "$out/models-wide.json"
+      fi ;;
     example)
       [ -x "$bin/router_example" ] && step cpp-example 120 "$bin/router_example" ;;
     python)
