@@ -181,7 +181,8 @@ bool wide_backward_enabled() {
 }  // namespace
 
 bool fused_backward_supported(const RouterConfig& cfg) {
-  // More than 256 experts: the wide kernels, any K up to 16, E a multiple of 16 up to 512.
+  // More than 256 experts, or more than 8 a token: the wide kernels (opt-in), any K up to 16,
+  // E a multiple of 16 up to 512 (below 272 on the 384-expert kernel, masked).
   if (fused_backward_wide_shape(cfg))
     return wide_backward_enabled() && fused_backward_wide_row_for(cfg.n_routed_experts) >= 0 &&
            cfg.num_experts_per_tok >= 1 && cfg.num_experts_per_tok <= kWideTopK &&

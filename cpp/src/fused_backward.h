@@ -30,11 +30,14 @@ bool fused_backward_takes(const RouterConfig& cfg, Precision precision);
 // The 128-column plan's unit: kTileT tokens by kTileH hidden columns.
 constexpr int64_t kTileT = 128, kTileH = 128;
 
-// The wide kernels' shapes (more than 256 experts): 64-token tiles of 64-column slices, partials
-// of up to kWideMaxExperts experts where k >= 2 CTAs share a slice (fewer than ctas + slices,
-// the grid at most kFusedMaxCtas), and a packed row of 64 bytes per token.
+// The wide kernels' shapes (more than 256 experts, or more than 8 experts a token): 64-token
+// tiles of 64-column slices, partials of up to kWideMaxExperts experts where k >= 2 CTAs share a
+// slice (fewer than ctas + slices, the grid at most kFusedMaxCtas), and a packed row of 64
+// bytes per token.
 constexpr int64_t kWideMaxExperts = 512;
-inline bool fused_backward_wide_shape(const RouterConfig& cfg) { return cfg.n_routed_experts > 256; }
+inline bool fused_backward_wide_shape(const RouterConfig& cfg) {
+  return cfg.n_routed_experts > 256 || cfg.num_experts_per_tok > 8;
+}
 
 // Scratch bytes after the tickets for the fused kernel: grad_w partials, then (from
 // fused_backward_compact_offset) a compact routing row of 32 bytes per token (64: the wide

@@ -73,10 +73,11 @@ constexpr bool has_fused_backward(long long experts, int tile_h) {
   return fused_backward_row(experts, kAnyTopK, tile_h) >= 0;
 }
 
-// The wide backward row that serves E (more than 256 experts, a multiple of 16): the narrowest
-// one at least as wide, its experts beyond E masked; -1 where none.
+// The wide backward row that serves E (a multiple of 16; more than 256 experts, or fewer at
+// more than 8 a token): the narrowest one at least as wide, its experts beyond E masked; -1
+// where none.
 constexpr int fused_backward_wide_row_for(long long experts) {
-  if (experts <= 256 || experts % 16 != 0) return -1;
+  if (experts < 16 || experts % 16 != 0) return -1;
   int best = -1;
   for (int i = 0; i < kNumFusedBackward; ++i) {
     const FusedBackwardKernel& k = kFusedBackwardKernels[i];

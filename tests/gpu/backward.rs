@@ -101,7 +101,8 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
 /// at top-16, where k CTAs share a slice and sum its grad_w spread; E = 320 and 272 on the
 /// 384-expert kernel (its experts beyond E masked), with groups and a token tail; 512 experts at
 /// top-16 (one CTA per slice at T = 1000, two summed spread at 5000 on an H200) and 448 on that
-/// kernel. Precise mode takes the simple path for these shapes (check_fused_case checks it too).
+/// kernel; top-10 to top-16 at 64 to 256 experts, on the 384-expert kernel. Precise mode takes
+/// the simple path for these shapes (check_fused_case checks it too).
 pub(super) fn backward_wide_experts(s: &Arc<CudaStream>) {
     let kimi_k2 = RouterConfig {
         hidden_size: 7168,
@@ -148,6 +149,27 @@ pub(super) fn backward_wide_experts(s: &Arc<CudaStream>) {
         n_routed_experts: 448,
         ..kimi_k2
     };
+    // More than 8 experts a token at up to 256 experts: the 384-expert kernel, masked.
+    let top12_e160 = RouterConfig {
+        hidden_size: 1024,
+        n_routed_experts: 160,
+        num_experts_per_tok: 12,
+        ..kimi_k2
+    };
+    let top16_e64 = RouterConfig {
+        hidden_size: 512,
+        n_routed_experts: 64,
+        num_experts_per_tok: 16,
+        ..kimi_k2
+    };
+    let top10_e256 = RouterConfig {
+        hidden_size: 2048,
+        n_routed_experts: 256,
+        num_experts_per_tok: 10,
+        n_group: 8,
+        topk_group: 4,
+        ..kimi_k2
+    };
     for (i, (cfg, tokens)) in [
         (kimi_k2, 1),
         (kimi_k2, 1000),
@@ -158,6 +180,9 @@ pub(super) fn backward_wide_experts(s: &Arc<CudaStream>) {
         (e512, 1000),
         (e512, 5000),
         (e448, 333),
+        (top12_e160, 500),
+        (top16_e64, 300),
+        (top10_e256, 1000),
     ]
     .into_iter()
     .enumerate()
