@@ -140,7 +140,7 @@ BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms) {
   return best;
 }
 
-// The wide kernels (more than 256 experts): one CTA per 64-column slice, or, where the slices
+// The wide kernels (more than 256 experts, or 8 a token): one CTA per 64-column slice, or, where the slices
 // leave SMs idle, k CTAs per slice summed spread, as plan64, in 64-token units of up to 512
 // experts. The spread sum's cost, kSpreadSumWide units, is plan64's scaled by the partial's size
 // over the unit's work (an estimate, not yet measured).

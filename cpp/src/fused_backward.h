@@ -19,12 +19,12 @@ constexpr size_t kTicketBytes = kCompactCounterOffset + 256;
 constexpr int kFusedMaxCtas = 160;
 
 // True where the fused kernel handles the shape (others take the simple path), in every
-// precision but, for more than 256 experts (the wide kernels), precise mode
+// precision but, for the wide kernels' shapes (more than 256 experts, or 8 a token), precise mode
 // (fused_backward_takes).
 bool fused_backward_supported(const RouterConfig& cfg);
 
-// True where the fused kernel handles the call: the shape, and for the wide kernels (more than
-// 256 experts) not precise mode.
+// True where the fused kernel handles the call: the shape, and for the wide kernels' shapes not
+// precise mode.
 bool fused_backward_takes(const RouterConfig& cfg, Precision precision);
 
 // The 128-column plan's unit: kTileT tokens by kTileH hidden columns.
