@@ -126,9 +126,9 @@ struct GradWWriter {
 
   // Vectors [v0, v1) of a slice of grad_w, summed over `sources` partials in source order
   // (after grad_w itself when accumulating) and written: thread ct takes v0 + ct + 256 j,
-  // j < kPer. (Cfg::kMaskedExperts: the kernel's rows beyond the E it runs for, Params::experts,
-  // are neither read nor written.) `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
-  // before any is added, so a batch costs one round trip.
+  // j < kPer. `part(r, v)` loads vector v of source r; the loads of kBatch sources are issued
+  // before any is added, so a batch costs one round trip. (Cfg::kMaskedExperts: the kernel's
+  // rows beyond the E it runs for, Params::experts, are neither read nor written.)
   template <int kPer, int kBatch, class Part>
   __device__ __forceinline__ void sum_vectors(int64_t slice, int v0, int v1, int sources,
                                               Int<kPer>, Int<kBatch>, Part&& part) const {
@@ -174,11 +174,7 @@ struct GradWWriter {
     // Vectors per thread of the largest share of k (k >= 4: at most that of 4).
     constexpr auto per_thread = [](int k) { return ((kSliceVecs + k - 1) / k + 255) / 256; };
     if constexpr (per_thread(2) > kMaxPer) {
-      // Wide slices (fused_backward_wide): chunks of kMaxPer vectors a thread, so that a batch's
-      // loads stay within the registers.
-      for (int c0 = v0; c0 < v1; c0 += 256 * kMaxPer)
-        sum_vectors(slice, c0, cute::min(v1, c0 + 256 * kMaxPer), k, Int<kMaxPer>{}, Int<2>{},
-                    part);
+      sum_in_chunks(slice, v0, v1, k, Int<2>{}, part);  // (wide slices: fused_backward_wide)
     } else {
       if (k == 2) sum_vectors(slice, v0, v1, k, Int<per_thread(2)>{}, Int<2>{}, part);
       else if (k == 3) sum_vectors(slice, v0, v1, k, Int<per_thread(3)>{}, Int<3>{}, part);
@@ -187,6 +183,15 @@ struct GradWWriter {
   }
   // Vectors a thread sums at once where a share is larger (Config::kSumMaxPer).
   static constexpr int kMaxPer = Cfg::kSumMaxPer;
+  // sum_vectors over [v0, v1) in chunks of kMaxPer vectors a thread, so that a batch's loads
+  // stay within the registers.
+  template <int kBatch, class Part>
+  __device__ __forceinline__ void sum_in_chunks(int64_t slice, int v0, int v1, int sources,
+                                                Int<kBatch>, Part&& part) const {
+    for (int c0 = v0; c0 < v1; c0 += 256 * kMaxPer)
+      sum_vectors(slice, c0, cute::min(v1, c0 + 256 * kMaxPer), sources, Int<kMaxPer>{},
+                  Int<kBatch>{}, part);
+  }
 
   // grad_w of a segment that is the whole slice, straight to grad_w (kTileH = 128).
   // (Accumulating loads and adds element by element, one round trip each: it runs only where

@@ -8,6 +8,8 @@
 // the stages.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 
 #include "kernels/fused_backward/config.cuh"
@@ -41,12 +43,14 @@ __device__ __forceinline__ void release_unit(typename Cfg::SharedStorage& smem, 
   Ring<Cfg::kStagesG>::arrive(smem.g_empty, n);
 }
 
-// dgrad of unit n into acc_d (overwritten), one batch.
+// dgrad of unit n into acc_d (overwritten), one batch. tDrW: wᵀ's slice as a register fragment,
+// or as shared-memory descriptors (fused_backward_wide).
 template <class Cfg, class MmaD, class TDrW, class TDrG, class AccD>
 __device__ __forceinline__ void issue_dgrad(MmaD& mma_d, TDrW& tDrW, const TDrG& tDrG,
                                             AccD& acc_d, int n) {
   const int s = Ring<Cfg::kStagesG>::stage(n);
-  warpgroup_fence_operand(tDrW);
+  if constexpr (std::is_same_v<typename TDrW::value_type, typename Cfg::Elem>)
+    warpgroup_fence_operand(tDrW);  // (registers)
   warpgroup_fence_operand(acc_d);
   warpgroup_arrive();
   mma_d.accumulate_ = GMMA::ScaleOut::Zero;

@@ -213,14 +213,9 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
       // last CTA past the wait resets both counters for the next launch.
       cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
       MOE_ROUTING_TRACE(thread == 0, 12);  // the CTA's rows stored
-      if (thread == 0) {
-        int* packed = p.compact_counters;
-        red_release_add(packed);
-        while (ld_acquire(packed) < int(ctas)) {
-        }
-        MOE_ROUTING_TRACE(true, 13);  // every CTA's arrival seen
-        if (ticket_acq_rel(packed + 1) == int(ctas) - 1) packed[0] = 0, packed[1] = 0;
-      }
+      if (thread == 0)
+        grid_barrier(p.compact_counters, int(ctas),
+                     [] { MOE_ROUTING_TRACE(true, 13); });  // every CTA's arrival seen
       cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
       MOE_ROUTING_TRACE(thread == 0, 14);  // past the barrier (10: unit 0's x stage arrived)
     }

@@ -23,6 +23,19 @@ __device__ __forceinline__ int ticket_acq_rel(int* ticket) {
   return old;
 }
 
+// One thread of each of a grid's `ctas` CTAs (all resident), once its CTA's stores are ordered
+// before it: arrives (release) and waits until every CTA has (acquire). counters: 2 ints, zero
+// between launches; the last CTA past the wait resets both for the next launch. `seen()` runs
+// once every arrival is seen (a trace hook).
+template <class Seen>
+__device__ __forceinline__ void grid_barrier(int* counters, int ctas, Seen&& seen) {
+  red_release_add(counters);
+  while (ld_acquire(counters) < ctas) {
+  }
+  seen();
+  if (ticket_acq_rel(counters + 1) == ctas - 1) counters[0] = 0, counters[1] = 0;
+}
+
 // Drops a 128-byte line from L2 without writing it back (its contents become undefined):
 // for partials that no one reads again, which would otherwise go to DRAM when evicted.
 __device__ __forceinline__ void discard_l2_line(const void* line) {

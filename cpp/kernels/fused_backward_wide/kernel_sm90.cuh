@@ -6,8 +6,8 @@
 // threads of all CTAs, then a grid barrier) while the TMA brings wᵀ's slice and the first x
 // tile; then, per unit,
 //   producer   warpgroup 0 (producer.cuh): x's TMA loads and G, two threads a row;
-//   dgrad      warpgroup 1 (mainloop.cuh): grad_xᵀ from sW and sG → bf16 → TMA store
-//              (fused_backward/grad_x_store.cuh); above 384 experts also wgrad of the first
+//   dgrad      warpgroup 1 (fused_backward/mainloop.cuh issue_dgrad): grad_xᵀ from sW and sG →
+//              bf16 → TMA store (fused_backward/grad_x_store.cuh); above 384 experts also wgrad of the first
 //              kDgradWgradE experts;
 //   wgrad      warpgroups 2, 3 (fused_backward/mainloop.cuh issue_wgrad): grad_wᵀ of kWgradE
 //              experts each, accumulated in registers over the CTA's units, the next unit's
@@ -29,7 +29,6 @@
 #include "kernels/fused_backward/schedule.cuh"
 #include "kernels/fused_backward/sync.cuh"
 #include "kernels/fused_backward_wide/config.cuh"
-#include "kernels/fused_backward_wide/mainloop.cuh"
 #include "kernels/fused_backward_wide/producer.cuh"
 #include "kernels/fused_backward_wide/rows.cuh"
 #include "kernels/pipeline.cuh"
@@ -172,7 +171,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (Cfg::kDgradWgrad) fused_backward::wait_unit<Cfg>(smem, n, t);
       else GRing::wait(smem.g_full, n);
       MOE_ROUTING_TRACE(t == 0 && n == 0, 2);
-      issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
+      fused_backward::issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
       if constexpr (Cfg::kDgradWgrad)
         fused_backward::issue_wgrad<Cfg>(mma_wd, tWrXd, tWrGtd, acc_wd, n);
       grad_x.staging_free();
@@ -227,16 +226,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   else cutlass::arch::NamedBarrier::sync(256, fused_backward::kBarConsumers);
   if (p.sum == GradWSum::kSpread) {
     grad_w.spread_staged(slice, staged);
-  } else {
-    // The whole slice straight to grad_w (after grad_w itself when accumulating), a quarter
-    // of it at a time: a thread's loads all in flight, within its registers.
-    auto part = [&](int, int v) { return *grad_w.staged_vec(staged, v); };
-    constexpr int kQuarter = Cfg::kExperts * (kTileH / 4) / 4;
-    static_assert(kQuarter % 256 == 0, "whole vectors per thread");
-    CUTE_UNROLL
-    for (int i = 0; i < 4; ++i)
-      grad_w.sum_vectors(slice, i * kQuarter, (i + 1) * kQuarter, 1, Int<kQuarter / 256>{},
-                         Int<1>{}, part);
+  } else {  // the whole slice straight to grad_w (after grad_w itself when accumulating)
+    grad_w.sum_in_chunks(slice, 0, Cfg::kExperts * (kTileH / 4), 1, Int<1>{},
+                         [&](int, int v) { return *grad_w.staged_vec(staged, v); });
   }
   MOE_ROUTING_TRACE(ct == 0, 4);
 }

@@ -63,13 +63,7 @@ __device__ __forceinline__ void pack_wide_rows(const P& p, int cta, GradRounding
   for (int64_t t = cta + ctas * threadIdx.x; t < p.tokens; t += ctas * Cfg::kThreads)
     pack_wide_row(p, t, rounding);
   __syncthreads();  // orders every thread's row stores before thread 0's release
-  if (threadIdx.x == 0) {
-    int* packed = p.row_counters;
-    fused_backward::red_release_add(packed);
-    while (fused_backward::ld_acquire(packed) < int(ctas)) {
-    }
-    if (fused_backward::ticket_acq_rel(packed + 1) == int(ctas) - 1) packed[0] = 0, packed[1] = 0;
-  }
+  if (threadIdx.x == 0) fused_backward::grid_barrier(p.row_counters, int(ctas), [] {});
   __syncthreads();
 }
 
