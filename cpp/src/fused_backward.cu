@@ -122,36 +122,22 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   return best;
 }
 
-// E with 64-column kernels alone (256): one CTA per 64-column slice, or, where the slices leave
-// SMs idle, k CTAs per slice (a k-th of its token tiles each) whose partials are summed spread
-// (kSpread), each CTA a share of the slice: where that costs fewer units than one CTA per slice.
-// The spread sum costs about kSpreadSum64 64-column units (kSpreadSum, in 128-column units at
-// E = 160, over kUnit64; an E = 256 partial is 64 KB, an E = 160 one 80 KB).
-BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms) {
-  constexpr double kSpreadSum64 = 5.0;
+// E with 64-column kernels alone (256), and the wide kernels: one CTA per 64-column slice, or,
+// where the slices leave SMs idle, k CTAs per slice (a k-th of its token tiles each) whose
+// partials are summed spread (kSpread), each CTA a share of the slice: where that costs fewer
+// units than one CTA per slice. `spread_sum`: the spread sum's cost in the kernel's units.
+// 256 experts: kSpreadSum64 (kSpreadSum, in 128-column units at E = 160, over kUnit64; an
+// E = 256 partial is 64 KB, an E = 160 one 80 KB). The wide kernels (64-token units of up to
+// 512 experts): kSpreadSumWide, that scaled by the partial's size over the unit's work (an
+// estimate, not yet measured).
+constexpr double kSpreadSum64 = 5.0, kSpreadSumWide = 10.0;
+BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms, double spread_sum) {
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
   double best_cost = double(tiles);
   if (slices > kMaxCounterSlices) return best;
   for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
-    const double cost = kSpreadSum64 + double(ceil_div(tiles, k));
-    if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
-  }
-  return best;
-}
-
-// The wide kernels (more than 256 experts, or 8 a token): one CTA per 64-column slice, or, where the slices
-// leave SMs idle, k CTAs per slice summed spread, as plan64, in 64-token units of up to 512
-// experts. The spread sum's cost, kSpreadSumWide units, is plan64's scaled by the partial's size
-// over the unit's work (an estimate, not yet measured).
-BackwardPlan plan_wide(int64_t tiles, int64_t slices, int num_sms) {
-  constexpr double kSpreadSumWide = 10.0;
-  const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
-  BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
-  double best_cost = double(tiles);
-  if (slices > kMaxCounterSlices) return best;
-  for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
-    const double cost = kSpreadSumWide + double(ceil_div(tiles, k));
+    const double cost = spread_sum + double(ceil_div(tiles, k));
     if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
   }
   return best;
@@ -213,14 +199,15 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   if (fused_backward_wide_shape(cfg)) {
     const int row = fused_backward_wide_row_for(cfg.n_routed_experts);
     const BackwardPlan pl =
-        plan_wide(ceil_div(a.tokens, int64_t(64)), cfg.hidden_size / 64, sm_count(device));
+        plan64(ceil_div(a.tokens, int64_t(64)), cfg.hidden_size / 64, sm_count(device),
+               kSpreadSumWide);
     return kLaunch[row](cfg, a, device, pl, stream, kernels::fused_backward::kPassG);
   }
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
   const BackwardPlan pl =
       has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device)
-          : plan64(tiles, cfg.hidden_size / 64, sm_count(device));
+          : plan64(tiles, cfg.hidden_size / 64, sm_count(device), kSpreadSum64);
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
   // (validate_backward: precise mode writes grad_w as f32.)

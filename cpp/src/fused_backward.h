@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "fused_kernels.h"
 #include "kernels/fused_backward/schedule.cuh"
 #include "kernels/routing_inputs.cuh"
 #include "moe_routing/router.h"
@@ -45,10 +46,11 @@ inline bool fused_backward_wide_shape(const RouterConfig& cfg) {
 inline size_t fused_backward_compact_offset(const RouterConfig& cfg, int64_t tokens) {
   size_t partials = 0;
   if (fused_backward_wide_shape(cfg)) {
-    // Partials only where k >= 2 CTAs share a slice (plan_wide: 2 · slices within the grid), of
+    // Partials only where k >= 2 CTAs share a slice (plan64: 2 · slices within the grid), of
     // the kernel's width.
     const int64_t slices64 = cfg.hidden_size / 64, tiles64 = (tokens + 63) / 64;
-    const int64_t width = cfg.n_routed_experts <= 384 ? 384 : kWideMaxExperts;
+    const int row = fused_backward_wide_row_for(cfg.n_routed_experts);
+    const int64_t width = row >= 0 ? kFusedBackwardKernels[row].experts : kWideMaxExperts;
     if (tiles64 >= 2 && 2 * slices64 <= kFusedMaxCtas)
       partials = size_t(kFusedMaxCtas + slices64) * size_t(width * 64) * sizeof(float);
   } else {

@@ -14,18 +14,27 @@ namespace moe_routing::detail {
 
 namespace fused_backward_impl {
 
+// The TMA descriptor of a [rows, H] bf16 tensor (x, grad_x, w) as (H, rows) with h contiguous,
+// in boxes of `box` (a shared-memory layout).
+template <class Op, class Box>
+auto make_tma_h_major(Op op, const cutlass::bfloat16_t* base, int64_t hidden, int64_t rows,
+                      Box box) {
+  using namespace cute;
+  Tensor m = make_tensor(make_gmem_ptr(base), make_shape(int(hidden), int(rows)),
+                         make_stride(_1{}, hidden));
+  return make_tma_copy(op, m, box);
+}
+
 // TMA descriptors of x and grad_x, both as (H, T) with h contiguous.
 template <int kExperts, int kTopK, int kTileH>
 auto make_params(const cutlass::bfloat16_t* x, cutlass::bfloat16_t* grad_x, int64_t hidden,
                  int64_t tokens) {
   using namespace cute;
   using Cfg = kernels::fused_backward::Config<kExperts, kTopK, kTileH>;
-  Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(hidden), int(tokens)),
-                          make_stride(_1{}, hidden));
-  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
-  Tensor mGX = make_tensor(make_gmem_ptr(grad_x), make_shape(int(hidden), int(tokens)),
-                           make_stride(_1{}, hidden));
-  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGXHalf{});
+  auto tma_x = make_tma_h_major(SM90_TMA_LOAD{}, x, hidden, tokens,
+                                typename Cfg::SmemLayoutX{}(_, _, 0));
+  auto tma_gx = make_tma_h_major(SM90_TMA_STORE{}, grad_x, hidden, tokens,
+                                 typename Cfg::SmemLayoutGXHalf{});
   using P = kernels::fused_backward::Params<decltype(tma_x), decltype(tma_gx)>;
   return P{tma_x, tma_gx};
 }
@@ -38,6 +47,31 @@ struct Kernel {
   static constexpr bool kLargeClusters = false;  // clusters of at most 8
 };
 
+// The parameters both kernels' Params share: the inputs and outputs, the workspace's counters
+// and partials, the router's constants, the plan.
+template <class Cfg, class P>
+void set_shared_params(P& p, const RouterConfig& cfg, const BackwardArgs& a,
+                       const BackwardPlan& plan) {
+  p.routing = routing_inputs(cfg, a);
+  p.grad_w = a.grad_w.data;
+  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
+  p.torch_bf16 = a.precision == Precision::kTorchBf16;
+  p.tickets = reinterpret_cast<int*>(a.workspace.data);
+  p.readers = p.tickets + kMaxCounterSlices;
+  p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
+  p.tokens = a.tokens;
+  p.hidden = int(cfg.hidden_size);
+  p.scale = cfg.routed_scaling_factor;
+  p.norm = cfg.norm_topk_prob;
+  p.accumulate = a.accumulate_grad_w;
+  p.sum = plan.sum;
+  p.per_slice = plan.per_slice;
+  p.top_k = int(cfg.num_experts_per_tok);
+  p.sched.tiles = ceil_div(a.tokens, int64_t(Cfg::kTileT));
+  p.sched.slices = cfg.hidden_size / Cfg::kTileH;
+  p.sched.ctas = plan.ctas;
+}
+
 // The wide kernel's TMA descriptors: x and grad_x as above, w as (H, E) with h contiguous, in
 // boxes of 64 h × kExperts / 2 e.
 template <int kExperts>
@@ -46,15 +80,12 @@ auto make_wide_params(const cutlass::bfloat16_t* x, cutlass::bfloat16_t* grad_x,
                       int64_t experts) {
   using namespace cute;
   using Cfg = kernels::fused_backward_wide::Config<kExperts>;
-  Tensor mX = make_tensor(make_gmem_ptr(x), make_shape(int(hidden), int(tokens)),
-                          make_stride(_1{}, hidden));
-  auto tma_x = make_tma_copy(SM90_TMA_LOAD{}, mX, typename Cfg::SmemLayoutX{}(_, _, 0));
-  Tensor mGX = make_tensor(make_gmem_ptr(grad_x), make_shape(int(hidden), int(tokens)),
-                           make_stride(_1{}, hidden));
-  auto tma_gx = make_tma_copy(SM90_TMA_STORE{}, mGX, typename Cfg::SmemLayoutGXHalf{});
-  Tensor mW = make_tensor(make_gmem_ptr(w), make_shape(int(hidden), int(experts)),
-                          make_stride(_1{}, hidden));
-  auto tma_w = make_tma_copy(SM90_TMA_LOAD{}, mW, typename Cfg::SmemLayoutWHalf{});
+  auto tma_x = make_tma_h_major(SM90_TMA_LOAD{}, x, hidden, tokens,
+                                typename Cfg::SmemLayoutX{}(_, _, 0));
+  auto tma_gx = make_tma_h_major(SM90_TMA_STORE{}, grad_x, hidden, tokens,
+                                 typename Cfg::SmemLayoutGXHalf{});
+  auto tma_w = make_tma_h_major(SM90_TMA_LOAD{}, w, hidden, experts,
+                                typename Cfg::SmemLayoutWHalf{});
   using P = kernels::fused_backward_wide::Params<decltype(tma_x), decltype(tma_gx),
                                                  decltype(tma_w)>;
   return P{tma_x, tma_gx, tma_w};
@@ -69,7 +100,7 @@ struct WideKernel {
 };
 
 // The wide kernel (kWideTopK rows): any K up to 16 and E up to kExperts, every dtype; 64-column
-// slices, one CTA each or k CTAs summed spread (plan_wide). Not precise mode.
+// slices, one CTA each or k CTAs summed spread (plan64). Not precise mode.
 template <int kExperts>
 Status launch_wide(const RouterConfig& cfg, const BackwardArgs& a, int device,
                    const BackwardPlan& plan, cudaStream_t stream, uint32_t passes) {
@@ -85,28 +116,11 @@ Status launch_wide(const RouterConfig& cfg, const BackwardArgs& a, int device,
   typename K::P p = make_wide_params<kExperts>(reinterpret_cast<const Elem*>(a.x.data),
                                                reinterpret_cast<Elem*>(a.grad_x.data),
                                                reinterpret_cast<const Elem*>(a.w.data), H, T, E);
-  p.routing = routing_inputs(cfg, a);
-  p.grad_w = a.grad_w.data;
-  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
-  p.torch_bf16 = a.precision == Precision::kTorchBf16;
-  p.tickets = reinterpret_cast<int*>(a.workspace.data);
-  p.readers = p.tickets + kMaxCounterSlices;
-  p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
+  set_shared_params<Cfg>(p, cfg, a, plan);
   p.rows = reinterpret_cast<kernels::fused_backward_wide::WideRow*>(
       a.workspace.data + kTicketBytes + fused_backward_compact_offset(cfg, T));
   p.row_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);
-  p.tokens = T;
-  p.hidden = int(H);
   p.experts = int(E);
-  p.top_k = top_k;
-  p.scale = cfg.routed_scaling_factor;
-  p.norm = cfg.norm_topk_prob;
-  p.accumulate = a.accumulate_grad_w;
-  p.sum = plan.sum;
-  p.per_slice = plan.per_slice;
-  p.sched.tiles = ceil_div(T, Cfg::kTileT);
-  p.sched.slices = H / Cfg::kTileH;
-  p.sched.ctas = plan.ctas;
   if (p.sched.slices > kMaxCounterSlices || plan.tile_h != Cfg::kTileH || H % Cfg::kTileH != 0)
     return Status::kUnsupported;
   // One segment per CTA: a whole slice (kLastCta), or one of its k parts (kSpread).
@@ -147,23 +161,9 @@ Status launch_narrow(const RouterConfig& cfg, const BackwardArgs& a, int device,
 
   typename K::P p = fused_backward_impl::make_params<kExperts, kTopK, kTileH>(
       reinterpret_cast<const Elem*>(a.x.data), reinterpret_cast<Elem*>(a.grad_x.data), H, T);
+  set_shared_params<Cfg>(p, cfg, a, plan);
   p.w = reinterpret_cast<const Elem*>(a.w.data);
-  p.routing = routing_inputs(cfg, a);
-  p.grad_w = a.grad_w.data;
-  p.grad_w_bf16 = a.grad_w.dtype == DType::kBF16;
-  p.torch_bf16 = a.precision == Precision::kTorchBf16;
-  p.tickets = reinterpret_cast<int*>(a.workspace.data);
-  p.readers = p.tickets + kMaxCounterSlices;
-  p.partials = reinterpret_cast<float*>(a.workspace.data + kTicketBytes);
-  p.tokens = T;
-  p.hidden = int(H);
-  p.scale = cfg.routed_scaling_factor;
-  p.norm = cfg.norm_topk_prob;
-  p.accumulate = a.accumulate_grad_w;
   p.passes = passes;
-  p.sum = plan.sum;
-  p.per_slice = plan.per_slice;
-  p.top_k = top_k;
   p.skew = Cfg::kSkew && top_k < 8;
   using kernels::fused_backward::CompactRow;
   // Compact rows (producer.cuh): G's sweep alone, not precise mode (whose residual sweep reads
@@ -176,9 +176,6 @@ Status launch_narrow(const RouterConfig& cfg, const BackwardArgs& a, int device,
                                               fused_backward_compact_offset(cfg, T));
     p.compact_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);
   }
-  p.sched.tiles = ceil_div(T, Cfg::kTileT);
-  p.sched.slices = H / Cfg::kTileH;
-  p.sched.ctas = plan.ctas;
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   constexpr uint32_t kBoth = kPassG | kPassResidual;
   if (p.sched.slices > kMaxCounterSlices || plan.tile_h != kTileH || H % kTileH != 0 ||
