@@ -7,16 +7,18 @@
 # BIN_DIR holds test-gpu-test (target/release/deps/gpu-<hash>), bench-backward[-bench]
 # (target/release/deps/backward-<hash>), bench-forward[-bench] (target/release/deps/forward-<hash>)
 # and, optionally, router_example (examples/cpp build)
-# and moe_routing/ (the C/C++ package, for the PyTorch tests). OUT_DIR receives the logs and
+# and moe_routing/ (the C/C++ package, for the PyTorch tests), and a wheel moe_routing-*.whl (the
+# `wheel` section: built with `pip wheel --no-build-isolation .` against the GPU machine's torch
+# version, so that it holds the native ops). OUT_DIR receives the logs and
 # results. Sections, in order (default: all): tests bench ncu sanitize example python trace; and
-# wide (the opt-in wide fused backward).
+# wide (the opt-in wide fused backward) and wheel (the package as pip installs it).
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
 # longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
 # compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
 set -uo pipefail
 bin=${1:?BIN_DIR}; out=${2:?OUT_DIR}; shift 2
 sections=${*:-tests bench ncu sanitize example python}
-mkdir -p "$out"
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # (absolute: some steps run elsewhere)
 bench=$(ls "$bin"/bench-backward* 2>/dev/null | head -1)
 bench_fwd=$(ls "$bin"/bench-forward* 2>/dev/null | head -1)
 # The unfused baseline loads cuBLAS at run time; PyTorch's wheels carry one.
@@ -94,6 +96,25 @@ for section in $sections; do
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
         MOE_ROUTING_LIB="$bin/moe_routing/lib/libmoe_routing.so" PYTHONPATH="$PWD/python" \
           step python-tests 600 python3 -m pytest -q python/tests
+      fi ;;
+    wheel)
+      # The package from its wheel, installed into a folder of its own (no dependencies: torch is
+      # the machine's): its tests from a copy outside the repository, so that `import
+      # moe_routing` is the installed package, through its native ops; then the host cost of its
+      # ops (h200-pytorch.json: host µs per call and GPU operations per call).
+      whl=$(ls "$bin"/moe_routing-*.whl 2>/dev/null | head -1)
+      if [ -n "$whl" ]; then
+        site="$out/wheel-site" tests="$out/wheel-tests"
+        rm -rf "$site" "$tests" && mkdir -p "$tests"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$whl" &&
+          cp python/tests/*.py "$tests"/ && : > "$tests/pytest.ini" &&
+          (cd "$tests" && PYTHONPATH="$site" MOE_ROUTING_TORCH_OP=1 \
+            step wheel-tests 600 python3 -m pytest -q -p no:cacheprovider .) || status=1
+        lib="$site/moe_routing/lib"
+        MOE_ROUTING_LIB="$lib/libmoe_routing.so" MOE_ROUTING_TORCH_LIB="$lib/libmoe_routing_torch.so" \
+          MOE_ROUTING_TORCH_OP=1 step host-cost 300 python3 python/benches/host_cost.py --engine \
+          --json "$out/h200-pytorch.json"
+        rm -rf "$site" "$tests"
       fi ;;
     trace)
       # One backward call through the C ABI under PyTorch's profiler: its GPU operations.
