@@ -45,8 +45,7 @@ __device__ __forceinline__ void discard_l2_line(const void* line) {
 // Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
 // producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
 enum : uint32_t {
-  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6,
-  kBarStaged = 7  // fused_backward_wide: every consumer's share of grad_w is staged
+  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6
 };
 constexpr uint32_t kSpreadBarThreads = 256 + 32;
 

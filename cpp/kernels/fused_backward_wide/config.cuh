@@ -144,6 +144,7 @@ struct Config {
     alignas(8) uint64_t g_full[kStagesG];   // G built (builder threads)
     alignas(8) uint64_t g_empty[kStagesG];  // all three consumer warpgroups done with it
     alignas(8) uint64_t w_full;             // wᵀ's slice landed
+    alignas(8) uint64_t grad_w_staged;      // kDgradWgrad: the dgrad warpgroup's grad_w staged
   };
   static_assert(sizeof(SharedStorage::g) % 1024 == 0, "w follows g");
   // grad_w [E][kRedStride] f32, staged over g and w.

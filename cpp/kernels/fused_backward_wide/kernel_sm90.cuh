@@ -104,6 +104,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       Barrier::init(&smem.g_empty[s], 128 * Cfg::kConsumers);
     }
     FullBarrier::init(&smem.w_full, 1);
+    if constexpr (Cfg::kDgradWgrad) Barrier::init(&smem.grad_w_staged, 128);
     cutlass::arch::fence_barrier_init();
   }
   MOE_ROUTING_TRACE(threadIdx.x == 0, 0);
@@ -191,7 +192,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       GRing::wait(smem.g_empty, total - 1);
       fused_backward::stage_accumulators<kTileH, Cfg::kDgradWgradN, Cfg::kRedStride>(
           thr_wd, acc_wd, reinterpret_cast<float*>(smem.g), 0);
-      cutlass::arch::NamedBarrier::arrive(384, fused_backward::kBarStaged);
+      // An mbarrier, not a named barrier's arrive: compute-sanitizer's racecheck does not see
+      // `bar.arrive` order the stores before the other warpgroups' `bar.sync` (backward v20).
+      Barrier::arrive(&smem.grad_w_staged);  // (release: the staging stores)
     }
     if (t == 0) tma_store_wait<0>();
     MOE_ROUTING_TRACE(t == 0, 5);
@@ -222,8 +225,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   GRing::wait(smem.g_empty, total - 1);
   float* staged = reinterpret_cast<float*>(smem.g);
   grad_w.stage_acc_w(staged, e0);
-  if constexpr (Cfg::kDgradWgrad) cutlass::arch::NamedBarrier::sync(384, fused_backward::kBarStaged);
-  else cutlass::arch::NamedBarrier::sync(256, fused_backward::kBarConsumers);
+  cutlass::arch::NamedBarrier::sync(256, fused_backward::kBarConsumers);
+  if constexpr (Cfg::kDgradWgrad) Barrier::wait(&smem.grad_w_staged, 0);  // (acquire)
   if (p.sum == GradWSum::kSpread) {
     grad_w.spread_staged(slice, staged);
   } else {  // the whole slice straight to grad_w (after grad_w itself when accumulating)

@@ -90,7 +90,10 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 
 // Half a row of one G stage: clears the experts this thread set there last time (`prev`), then
 // stores its 8 slots. A row's experts are distinct (the forward guarantees it), so the two halves
-// of a row never touch the same entry.
+// of one token's row never touch the same entry; but the row's previous token (two units back)
+// may have had, in the other half, an expert that this token has in this half: the other thread
+// then clears the entry this one sets. Both threads of a row are lanes of one warp: every lane's
+// clears are ordered before any lane's stores by a warp barrier (the whole warp calls this).
 template <int kTileT>
 __device__ __forceinline__ void store_wide_half(uint32_t stage, int row, const uint4& prev,
                                                 const WideRowHalf& in) {
@@ -100,6 +103,7 @@ __device__ __forceinline__ void store_wide_half(uint32_t stage, int row, const u
     const uint32_t e = (word(prev, k / 2) >> (16 * (k % 2))) & 0xffffu;
     if (e != kNoExpert) fused_backward::st_shared_b16(addr(int(e)), 0);
   }
+  __syncwarp();
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     const uint32_t e = (word(in.experts, k / 2) >> (16 * (k % 2))) & 0xffffu;
