@@ -119,8 +119,8 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
     };
     assert_eq!(paths(top12), (true, false));
     // Kimi-K2's 384 experts: the fused forward, the simple backward (the wide fused backward
-    // is opt-in, MOE_ROUTING_WIDE_BACKWARD=1, until it has run on a GPU; the GPU tests turn it
-    // on).
+    // is opt-in, MOE_ROUTING_WIDE_BACKWARD=1, until it runs clean under racecheck; the GPU
+    // tests turn it on).
     let kimi_k2 = RouterConfig {
         hidden_size: 7168,
         n_routed_experts: 384,
