@@ -81,9 +81,9 @@ for section in $sections; do
       grep -qv ": exit 0 |" "$out/sanitize-summary.txt" && status=1 ;;
     wide)
       # The wide fused backward (more than 256 experts; opt-in, MOE_ROUTING_WIDE_BACKWARD=1,
-      # until it runs clean under racecheck; the GPU tests turn it on themselves): its tests, every expert
-      # count, then the models bench with it (Kimi-K2 and 512 experts "fused"), whose file
-      # sits beside a run without it.
+      # until it runs clean under racecheck; the GPU tests turn it on themselves): its tests,
+      # every expert count, then the models bench with it (Kimi-K2 and 512 experts "fused"),
+      # whose file sits beside a run without it.
       step wide-tests 600 "$bin/test-gpu-test" wide &&
       step wide-every-expert-count 600 "$bin/test-gpu-test" every_expert_count
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
