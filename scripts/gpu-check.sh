@@ -11,7 +11,7 @@
 # `wheel` section: built with `pip wheel --no-build-isolation .` against the GPU machine's torch
 # version, so that it holds the native ops). OUT_DIR receives the logs and
 # results. Sections, in order (default: all): tests bench ncu sanitize example python trace; and
-# wide (the opt-in wide fused backward) and wheel (the package as pip installs it).
+# wide (the wide fused backward on every wide shape) and wheel (the package as pip installs it).
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
 # longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
 # compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
@@ -80,10 +80,9 @@ for section in $sections; do
       ' "$out" "$bin" | sort | tee "$out/sanitize-summary.txt"
       grep -qv ": exit 0 |" "$out/sanitize-summary.txt" && status=1 ;;
     wide)
-      # The wide fused backward (more than 256 experts; opt-in, MOE_ROUTING_WIDE_BACKWARD=1,
-      # until it runs clean under racecheck; the GPU tests turn it on themselves): its tests,
-      # every expert count, then the models bench with it (Kimi-K2 and 512 experts "fused"),
-      # whose file sits beside a run without it.
+      # The wide fused backward (more than 256 experts by default; MOE_ROUTING_WIDE_BACKWARD=1
+      # also takes more than 8 experts a token at up to 256, and the GPU tests set it): its
+      # tests, every expert count, then the models bench with it on every wide shape.
       step wide-tests 600 "$bin/test-gpu-test" wide &&
       step wide-every-expert-count 600 "$bin/test-gpu-test" every_expert_count
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then

@@ -767,7 +767,8 @@ fn checked_device_flags() {
 fn kernel_paths() {
     // MOE_ROUTING_PATH_FORWARD_FUSED | MOE_ROUTING_PATH_BACKWARD_FUSED, per config: the fused
     // kernels' expert counts (cpp/src/fused_kernels.def: 64, 128, 160, 256; the wide backward's
-    // 272-512 only with MOE_ROUTING_WIDE_BACKWARD=1), K (forward <= 16, backward <= 8) and H
+    // 272-512 at K <= 16), K (forward <= 16, backward <= 8 up to 256 experts, unless
+    // MOE_ROUTING_WIDE_BACKWARD=1) and H
     // (backward: a multiple of 128 where E has 128-column kernels, else of 64, at most 256
     // slices).
     let paths = |c: &Config| {
@@ -784,8 +785,8 @@ fn kernel_paths() {
         (160, 8, 8, 5184, 1),  // H % 128 = 64: the 128-column E take the simple backward
         (256, 8, 8, 5184, 3),  // ... and 256, with 64-column kernels alone, the fused one
         (256, 8, 8, 64 * 257, 1), // 257 slices
-        (384, 8, 1, 7168, 1),  // Kimi-K2's 384 experts: the fused forward, the simple backward
-        (512, 16, 8, 4096, 1), // 512 experts, top-16: likewise (the wide backward is opt-in)
+        (384, 8, 1, 7168, 3),  // Kimi-K2's 384 experts: both fused (the wide backward)
+        (512, 16, 8, 4096, 3), // 512 experts, top-16: likewise
         (96, 6, 1, 5120, 1),   // 96 experts: the 128-expert forward, masked
         (72, 6, 1, 5120, 0),   // not a multiple of 16: both simple
     ];

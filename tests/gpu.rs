@@ -36,9 +36,10 @@ mod forward;
 type Test = (&'static str, fn(&Arc<CudaStream>));
 
 fn main() {
-    // The wide fused backward (more than 256 experts, or 8 a token) is opt-in until it runs
-    // clean under racecheck: these tests turn it on, unless the environment says otherwise
-    // (MOE_ROUTING_WIDE_BACKWARD=0 tests those shapes on the simple path).
+    // The wide fused backward takes more than 256 experts by default, and more than 8 a token
+    // at up to 256 experts only with MOE_ROUTING_WIDE_BACKWARD=1: these tests turn it on for
+    // every wide shape, unless the environment says otherwise (=0 tests them all on the simple
+    // path).
     if std::env::var_os("MOE_ROUTING_WIDE_BACKWARD").is_none() {
         std::env::set_var("MOE_ROUTING_WIDE_BACKWARD", "1");
     }

@@ -118,9 +118,7 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         ..glm()
     };
     assert_eq!(paths(top12), (true, false));
-    // Kimi-K2's 384 experts: the fused forward, the simple backward (the wide fused backward
-    // is opt-in, MOE_ROUTING_WIDE_BACKWARD=1, until it runs clean under racecheck; the GPU
-    // tests turn it on).
+    // Kimi-K2's 384 experts: both fused (the backward on the wide kernel).
     let kimi_k2 = RouterConfig {
         hidden_size: 7168,
         n_routed_experts: 384,
@@ -128,7 +126,7 @@ fn kernel_paths_say_which_kernels_a_config_takes() {
         topk_group: 1,
         ..glm()
     };
-    assert_eq!(paths(kimi_k2), (true, false));
+    assert_eq!(paths(kimi_k2), (true, true));
     // 96 experts: the 128-expert forward, its last 32 experts masked; the simple backward.
     let e96 = RouterConfig {
         n_routed_experts: 96,
