@@ -187,7 +187,9 @@ pub(super) fn invalid_arguments_touch_nothing(s: &Arc<CudaStream>) {
 }
 
 /// Random shapes within the supported bounds, GPU against the CPU reference: forward indices,
-/// both precisions, accumulate on and off. The seed of a failing case is in its message.
+/// both precisions, accumulate on and off. Every other case draws E (a multiple of 16 up to
+/// 512) and H (a multiple of 64 up to 1024) at random, the rest take one of the listed shapes;
+/// K up to 16 either way. The seed of a failing case is in its message.
 pub(super) fn randomized_equivalence(s: &Arc<CudaStream>) {
     let base_seed = fresh_seed();
     let mut rng = Rng::new(base_seed);
@@ -200,7 +202,11 @@ pub(super) fn randomized_equivalence(s: &Arc<CudaStream>) {
         (72, 512),
     ];
     for case in 0..24 {
-        let (hidden_size, n_routed_experts) = shapes[rng.below(shapes.len())];
+        let (hidden_size, n_routed_experts) = if case % 2 == 1 {
+            (64 * (1 + rng.below(16)), 16 * (1 + rng.below(32)))
+        } else {
+            shapes[rng.below(shapes.len())]
+        };
         // Groups of at least 2 experts that divide E.
         let groups: Vec<usize> = (1..=n_routed_experts)
             .filter(|g| n_routed_experts % g == 0 && (*g == 1 || n_routed_experts / g >= 2))
