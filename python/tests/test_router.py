@@ -966,16 +966,16 @@ def test_kernel_paths_say_which_kernels_a_config_takes():
     fused = {"forward": "fused", "backward": "fused"}
     assert moe_routing.kernel_paths(5120, 160, 8, 8, 4) == fused
     assert moe_routing.kernel_paths(7168, 256, 8, 8, 4) == fused  # DeepSeek-V3
-    if os.environ.get("MOE_ROUTING_WIDE_BACKWARD") is None:
-        # Kimi-K2's 384 experts and 512 at top-16: the wide fused backward.
-        assert moe_routing.kernel_paths(7168, 384, 8) == fused
-        assert moe_routing.kernel_paths(4096, 512, 16, 8, 4) == fused
-    # Top-12 at 160 experts: the fused forward, the simple backward (more than 8 a token at up
-    # to 256 experts, unless MOE_ROUTING_WIDE_BACKWARD=1); likewise 96 experts (the 128-expert
-    # forward, masked); 72 experts (not a multiple of 16): both simple.
     fwd_only = {"forward": "fused", "backward": "simple"}
-    if os.environ.get("MOE_ROUTING_WIDE_BACKWARD") is None:
-        assert moe_routing.kernel_paths(5120, 160, 12) == fwd_only
+    # The wide fused backward: by default Kimi-K2's 384 experts and 512 at top-16, not more than
+    # 8 a token at up to 256 experts (top-12 at 160: the simple backward);
+    # MOE_ROUTING_WIDE_BACKWARD=1 takes every wide shape, =0 none.
+    wide = os.environ.get("MOE_ROUTING_WIDE_BACKWARD")
+    above_256 = fwd_only if wide == "0" else fused
+    assert moe_routing.kernel_paths(7168, 384, 8) == above_256
+    assert moe_routing.kernel_paths(4096, 512, 16, 8, 4) == above_256
+    assert moe_routing.kernel_paths(5120, 160, 12) == (fused if wide == "1" else fwd_only)
+    # 96 experts: the 128-expert forward, masked; 72 experts (not a multiple of 16): both simple.
     assert moe_routing.kernel_paths(5120, 96, 6) == fwd_only
     assert moe_routing.kernel_paths(5120, 72, 6) == {"forward": "simple", "backward": "simple"}
     with pytest.raises(ValueError, match="n_group"):
