@@ -28,7 +28,9 @@
 // through the any-K kernels, which pack them into compact rows once per launch (phases 11: a
 // CTA's first row stored, 12: all its rows, 13: every CTA's arrival seen, 14: past that grid
 // barrier), as the public range runs. TRACE_CTAS=ID,ID,...: also those phase ids of
-// every CTA, one line each, with the CTA's last unit (backward). Phase ids are the
+// every CTA, one line each, with the CTA's last unit (backward). The backward's isolated call
+// also prints the per-unit series of kernels/trace.cuh (the producer's, each consumer
+// warpgroup's steps), medians over the CTAs, from clock64. Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: research/phase_trace/build.sh (needs no GPU); run
 // on a Hopper GPU.
 #include <cstdio>
@@ -39,18 +41,22 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 constexpr int kMaxCtas = 1200;
-__device__ unsigned long long g_trace[kMaxCtas * 64];
+constexpr int kIds = 512;  // per CTA (kernels::kTraceIds, checked below)
+__device__ unsigned long long g_trace[kMaxCtas * kIds];  // %globaltimer, ns
+__device__ long long g_clk[kMaxCtas * kIds];             // clock64 of the same stamp
 #define MOE_ROUTING_TRACE(cond, id)                                                   \
   do {                                                                                \
     if (cond) {                                                                       \
       unsigned long long t_;                                                          \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                         \
-      g_trace[blockIdx.x * 64 + (id)] = t_;                                           \
+      g_trace[blockIdx.x * kIds + (id)] = t_;                                         \
+      g_clk[blockIdx.x * kIds + (id)] = clock64();                                    \
     }                                                                                 \
   } while (0)
 #include "fused_backward_launch.cuh"
 #include "fused_forward_launch.cuh"
 using namespace moe_routing;
+static_assert(kernels::kTraceIds <= kIds, "trace ids");
 #include "../cuda_check.h"
 
 __device__ uint32_t hash32(uint64_t x) { x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33; x *= 0xc4ceb9fe1a85ec53ULL; x ^= x >> 33; return uint32_t(x); }
@@ -75,15 +81,61 @@ __global__ void widen_idx(const int32_t* in, int64_t* out, int64_t n) {
 }
 template <class T> T* dalloc(size_t n) { T* p; CK(cudaMalloc(&p, n * sizeof(T))); return p; }
 
+// The per-unit series of kernels/trace.cuh: per unit n, the median over the CTAs of each
+// series' stamp, µs after the CTA's own stamp 1 (clock64, scaled by the CTA's clock rate
+// between its stamps 1 and 5), and the CTA count that has unit n.
+static void dump_units(int nctas) {
+  std::vector<unsigned long long> tr(size_t(nctas) * kIds);
+  std::vector<long long> clk(size_t(nctas) * kIds);
+  CK(cudaMemcpyFromSymbol(tr.data(), g_trace, tr.size() * 8));
+  CK(cudaMemcpyFromSymbol(clk.data(), g_clk, clk.size() * 8));
+  using namespace kernels;
+  const struct { int base; const char* name; } series[] = {
+      {kTraceStageFree, "free"},  {kTraceGBuilt, "G"},       {kTraceDgradHasG, "d:G"},
+      {kTraceDgradStagingFree, "d:iss"}, {kTraceDgradDone, "d:mma"}, {16, "done"},
+      {kTraceWgradHasUnit, "w:unit"}, {kTraceWgradDone, "w:mma"}, {kTraceHasX, "x0"},
+      {kTraceHasX + 48, "x1"}};
+  printf("units (us after each CTA's stamp 1, medians over CTAs):\n    n");
+  for (auto& s : series) printf(" %7s", s.name);
+  printf("   ctas\n");
+  double mhz_sum = 0; int mhz_n = 0;
+  for (int n = 0; n < 48; ++n) {
+    std::vector<std::vector<double>> v(std::size(series));
+    int ctas = 0;
+    for (int c = 0; c < nctas; ++c) {
+      const size_t b = size_t(c) * kIds;
+      if (!tr[b + 1] || !tr[b + 5] || clk[b + 5] == clk[b + 1]) continue;
+      const double ns_per_clk = double(tr[b + 5] - tr[b + 1]) / double(clk[b + 5] - clk[b + 1]);
+      if (n == 0) { mhz_sum += 1e3 / ns_per_clk; ++mhz_n; }
+      bool any = false;
+      for (size_t i = 0; i < std::size(series); ++i)
+        if (tr[b + series[i].base + n]) {
+          v[i].push_back((clk[b + series[i].base + n] - clk[b + 1]) * ns_per_clk * 1e-3);
+          any = true;
+        }
+      ctas += any;
+    }
+    if (!ctas) continue;
+    printf("  %3d", n);
+    for (auto& x : v) {
+      if (x.empty()) { printf(" %7s", "-"); continue; }
+      std::sort(x.begin(), x.end());
+      printf(" %7.2f", x[x.size() / 2]);
+    }
+    printf("   [%d]\n", ctas);
+  }
+  if (mhz_n) printf("  (SM clock %.0f MHz, mean over CTAs)\n", mhz_sum / mhz_n);
+}
+
 static void dump_trace(int nctas, const char* label) {
-  std::vector<unsigned long long> tr(nctas * 64);
+  std::vector<unsigned long long> tr(size_t(nctas) * kIds);
   CK(cudaMemcpyFromSymbol(tr.data(), g_trace, tr.size() * 8));
   unsigned long long t0 = ~0ull;
-  for (int c = 0; c < nctas; ++c) if (tr[c * 64]) t0 = std::min(t0, tr[c * 64]);
+  for (int c = 0; c < nctas; ++c) if (tr[c * kIds]) t0 = std::min(t0, tr[c * kIds]);
   printf("trace %s (us from first CTA entry): id: min med max [n]\n", label);
-  for (int id = 0; id < 64; ++id) {
+  for (int id = 0; id < kIds; id = id == 63 ? kernels::kTraceMisc : id + 1) {
     std::vector<double> v;
-    for (int c = 0; c < nctas; ++c) if (tr[c * 64 + id]) v.push_back((tr[c * 64 + id] - t0) * 1e-3);
+    for (int c = 0; c < nctas; ++c) if (tr[c * kIds + id]) v.push_back((tr[c * kIds + id] - t0) * 1e-3);
     if (v.empty()) continue;
     std::sort(v.begin(), v.end());
     printf("  %2d: %8.2f %8.2f %8.2f [%zu]\n", id, v.front(), v[v.size() / 2], v.back(), v.size());
@@ -94,9 +146,9 @@ static void dump_trace(int nctas, const char* label) {
     for (int c = 0; c < nctas; ++c) {
       printf("  cta %4d:", c);
       int last = -1;
-      for (int id = 16; id < 64; ++id) if (tr[c * 64 + id]) last = id;  // units: 16 + n
-      for (int id : want) printf(" %8.2f", tr[c * 64 + id] ? (tr[c * 64 + id] - t0) * 1e-3 : -1.0);
-      printf("  last unit %d at %8.2f\n", last - 16, last >= 0 ? (tr[c * 64 + last] - t0) * 1e-3 : -1.0);
+      for (int id = 16; id < 64; ++id) if (tr[c * kIds + id]) last = id;  // units: 16 + n
+      for (int id : want) printf(" %8.2f", tr[c * kIds + id] ? (tr[c * kIds + id] - t0) * 1e-3 : -1.0);
+      printf("  last unit %d at %8.2f\n", last - 16, last >= 0 ? (tr[c * kIds + last] - t0) * 1e-3 : -1.0);
     }
   }
 }
@@ -287,10 +339,11 @@ int main(int argc, char** argv) {
   printf("%s T=%lld grid=%d sets=%d: median %.2f us (min %.2f max %.2f)\n", bwd ? "bwd" : "fwd", (long long)T, grid, sets, times[3], times[0], times[6]);
   dump_trace(grid, "back-to-back");
   // One isolated call: the previous kernel is done before it starts.
-  void* tp; CK(cudaGetSymbolAddress(&tp, g_trace)); CK(cudaMemset(tp, 0, sizeof(unsigned long long) * kMaxCtas * 64));
+  void* tp; CK(cudaGetSymbolAddress(&tp, g_trace)); CK(cudaMemset(tp, 0, sizeof(unsigned long long) * kMaxCtas * kIds));
   CK(cudaDeviceSynchronize());
   call(0); CK(cudaStreamSynchronize(st));
   dump_trace(grid, "isolated");
+  if (bwd) dump_units(grid);
   CK(cudaGetLastError());
   return 0;
 }

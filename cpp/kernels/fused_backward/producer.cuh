@@ -153,12 +153,14 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
       const int s = GRing::stage(n);
       if (n + 1 < total) load_routing(n + 1);
       GRing::wait_free(smem.g_empty, n);
+      MOE_ROUTING_TRACE(thread == 0 && n < 48, kTraceStageFree + n);
       if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
       store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
                                      smem.set_experts[s][thread], row);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       GRing::arrive(smem.g_full, n);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
+      MOE_ROUTING_TRACE(thread == 0 && n < 48, kTraceGBuilt + n);
       if (n + 1 < total)
         row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
                                               rounding_at(n + 1));
@@ -196,9 +198,12 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
         for (int64_t i0 = 0; i0 < mine; i0 += kQuads) {
           const int64_t i = i0 + quad, t = cta + ctas * i;
           Torch r;
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0, kTraceMisc + 0);
           r.template load_quad<kExperts>(p.routing, t, i < mine, sub);
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && r.score[0] != 0x1ffffu, kTraceMisc + 1);  // loaded
           const PackedRow<Cfg::kTopK> row =
               pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm, rounding_at(0));
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && row.valid != 12345u, kTraceMisc + 2);
           if (i < mine && sub == 0) store_compact_row(p.compact, t, row);
           MOE_ROUTING_TRACE(thread == 0 && i0 == 0, 11);  // its first row stored
         }
@@ -210,7 +215,8 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
         by_threads();
       }
       // One release for the CTA (the barrier orders every builder's stores before it); the
-      // last CTA past the wait resets both counters for the next launch.
+      // counters are reset for the next launch once the CTA's units are built
+      // (grid_barrier_leave, off the path to the first unit).
       cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
       MOE_ROUTING_TRACE(thread == 0, 12);  // the CTA's rows stored
       if (thread == 0)
@@ -251,6 +257,7 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
         compact_routing_rows(std::integral_constant<Format, Format::kTorch>{});  // (the host's)
       }
       build_units(std::integral_constant<Format, Format::kCompact>{});
+      if (thread == 0) grid_barrier_leave(p.compact_counters, int(gridDim.x));
     } else if (torch_rows(p.routing, p.top_k)) {
       build_units(std::integral_constant<Format, Format::kTorch>{});
     } else {
