@@ -10,9 +10,10 @@
 #endif
 
 namespace moe_routing::kernels {
-// Per-unit stamps (unit n < 48 of a CTA, id base + n), the fused backward's: 16 + n the unit
-// done (the kernel's loops), and these.
+// Per-unit stamps (unit n < kTraceUnits of a CTA, id base + n), the fused backward's: 16 + n
+// the unit done (the kernel's loops), and these.
 enum TraceUnitSeries : int {
+  kTraceUnits = 48,              // units a series stamps
   kTraceStageFree = 64,          // the producer: G(n)'s stage free
   kTraceGBuilt = 112,            // the producer: G(n) stored and published
   kTraceDgradHasG = 160,         // the dgrad warpgroup (role split): G(n) in

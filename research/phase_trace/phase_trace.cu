@@ -94,23 +94,29 @@ static void dump_units(int nctas) {
       {kTraceStageFree, "free"},  {kTraceGBuilt, "G"},       {kTraceDgradHasG, "d:G"},
       {kTraceDgradStagingFree, "d:iss"}, {kTraceDgradDone, "d:mma"}, {16, "done"},
       {kTraceWgradHasUnit, "w:unit"}, {kTraceWgradDone, "w:mma"}, {kTraceHasX, "x0"},
-      {kTraceHasX + 48, "x1"}};
+      {kTraceHasX + kTraceUnits, "x1"}};
+  // Each CTA's clock: ns per clock between its stamps 1 and 5 (0: not both stamped).
+  std::vector<double> ns_per_clk(nctas, 0.0);
+  double mhz_sum = 0; int mhz_n = 0;
+  for (int c = 0; c < nctas; ++c) {
+    const size_t b = size_t(c) * kIds;
+    if (!tr[b + 1] || !tr[b + 5] || clk[b + 5] == clk[b + 1]) continue;
+    ns_per_clk[c] = double(tr[b + 5] - tr[b + 1]) / double(clk[b + 5] - clk[b + 1]);
+    mhz_sum += 1e3 / ns_per_clk[c]; ++mhz_n;
+  }
   printf("units (us after each CTA's stamp 1, medians over CTAs):\n    n");
   for (auto& s : series) printf(" %7s", s.name);
   printf("   ctas\n");
-  double mhz_sum = 0; int mhz_n = 0;
-  for (int n = 0; n < 48; ++n) {
+  for (int n = 0; n < kTraceUnits; ++n) {
     std::vector<std::vector<double>> v(std::size(series));
     int ctas = 0;
     for (int c = 0; c < nctas; ++c) {
       const size_t b = size_t(c) * kIds;
-      if (!tr[b + 1] || !tr[b + 5] || clk[b + 5] == clk[b + 1]) continue;
-      const double ns_per_clk = double(tr[b + 5] - tr[b + 1]) / double(clk[b + 5] - clk[b + 1]);
-      if (n == 0) { mhz_sum += 1e3 / ns_per_clk; ++mhz_n; }
+      if (ns_per_clk[c] == 0) continue;
       bool any = false;
       for (size_t i = 0; i < std::size(series); ++i)
         if (tr[b + series[i].base + n]) {
-          v[i].push_back((clk[b + series[i].base + n] - clk[b + 1]) * ns_per_clk * 1e-3);
+          v[i].push_back((clk[b + series[i].base + n] - clk[b + 1]) * ns_per_clk[c] * 1e-3);
           any = true;
         }
       ctas += any;

@@ -202,15 +202,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           unit.next(tiles);
           GRing::wait(smem.g_full, n);
           MOE_ROUTING_TRACE(ct == 0 && n == 0, 2);
-          MOE_ROUTING_TRACE(ct == 0 && n < 48, kTraceDgradHasG + n);
+          MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, kTraceDgradHasG + n);
           if (!work.residual_at(n)) {  // (G's residual: wgrad alone)
             issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
             grad_x.staging_free();
-            MOE_ROUTING_TRACE(ct == 0 && n < 48, kTraceDgradStagingFree + n);
+            MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, kTraceDgradStagingFree + n);
             warpgroup_wait<0>();
             warpgroup_fence_operand(acc_d);
           }
-          MOE_ROUTING_TRACE(ct == 0 && n < 48, kTraceDgradDone + n);
+          MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, kTraceDgradDone + n);
           GRing::arrive(smem.g_empty, n);
           if (!work.residual_at(n)) grad_x.store(acc_d, slice, tile);
           MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
@@ -220,11 +220,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         warpgroup_fence_operand(acc_w);
         for (int n = 0; n < total; ++n) {
           wait_unit<Cfg>(smem, n, ct);
-          MOE_ROUTING_TRACE(ct == 128 && n < 48, kTraceWgradHasUnit + n);
+          MOE_ROUTING_TRACE(ct == 128 && n < kTraceUnits, kTraceWgradHasUnit + n);
           issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
           if (n > 0) {
             warpgroup_wait<1>();  // wgrad(n - 1) done
-            MOE_ROUTING_TRACE(ct == 128 && n < 49, kTraceWgradDone + n - 1);
+            MOE_ROUTING_TRACE(ct == 128 && n - 1 < kTraceUnits, kTraceWgradDone + n - 1);
             release_unit<Cfg>(smem, n - 1);
           }
         }

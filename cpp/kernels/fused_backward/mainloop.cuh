@@ -33,7 +33,7 @@ template <class Cfg>
 __device__ __forceinline__ void wait_unit(typename Cfg::SharedStorage& smem, int n, int ct) {
   Ring<Cfg::kStagesX>::wait(smem.x_full, n);
   MOE_ROUTING_TRACE(ct == 0 && n == 0, 10);
-  MOE_ROUTING_TRACE(ct % 128 == 0 && n < 48, kTraceHasX + 48 * (ct / 128) + n);
+  MOE_ROUTING_TRACE(ct % 128 == 0 && n < kTraceUnits, kTraceHasX + kTraceUnits * (ct / 128) + n);
   Ring<Cfg::kStagesG>::wait(smem.g_full, n);
 }
 

@@ -157,14 +157,14 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
       const int s = GRing::stage(n);
       if (n + 1 < total) load_routing(n + 1);
       GRing::wait_free(smem.g_empty, n);
-      MOE_ROUTING_TRACE(thread == 0 && n < 48, kTraceStageFree + n);
+      MOE_ROUTING_TRACE(thread == 0 && n < kTraceUnits, kTraceStageFree + n);
       if (thread == 0 && n + kAhead < total) load_x(n + kAhead);
       store_routing_grad_row<kTileT>(g_stages + s * kGStageBytes, thread,
                                      smem.set_experts[s][thread], row);
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes → wgmma reads
       GRing::arrive(smem.g_full, n);
       MOE_ROUTING_TRACE(thread == 0 && n == 0, 9);
-      MOE_ROUTING_TRACE(thread == 0 && n < 48, kTraceGBuilt + n);
+      MOE_ROUTING_TRACE(thread == 0 && n < kTraceUnits, kTraceGBuilt + n);
       if (n + 1 < total)
         row = pack_routing_grad_row<kExperts>(loaded, p.routing, p.scale, p.norm,
                                               rounding_at(n + 1));
@@ -202,12 +202,14 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
         for (int64_t i0 = 0; i0 < mine; i0 += kQuads) {
           const int64_t i = i0 + quad, t = cta + ctas * i;
           Torch r;
+          // Misc stamps: loads issued, back, row packed. (The last two read what they follow,
+          // a score no bf16 can be and a valid mask no row has, so that they are not hoisted.)
           MOE_ROUTING_TRACE(thread == 0 && i0 == 0, kTraceMisc + 0);
           r.template load_quad<kExperts>(p.routing, t, i < mine, sub);
-          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && r.score[0] != 0x1ffffu, kTraceMisc + 1);  // loaded
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && r.score[0] != 0x1ffffu, kTraceMisc + 1);
           const PackedRow<Cfg::kTopK> row =
               pack_routing_grad_row<kExperts>(r, p.routing, p.scale, p.norm, rounding_at(0));
-          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && row.valid != 12345u, kTraceMisc + 2);
+          MOE_ROUTING_TRACE(thread == 0 && i0 == 0 && row.valid != ~0u, kTraceMisc + 2);
           if (i < mine && sub == 0) store_compact_row(p.compact, t, row);
           MOE_ROUTING_TRACE(thread == 0 && i0 == 0, 11);  // its first row stored
         }
