@@ -15,7 +15,8 @@
 //                                      set: the indices against 128-token tiles in clusters
 //                                      of one, rows that differ counted)
 //   phase_trace occupancy              the forward's clusters that fit at once, per tile and
-//                                      cluster size (what its launch plan reads)
+//                                      cluster size (what its launch plan reads), and the
+//                                      backward's 128-column ones, per cluster size
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
 // kept).
@@ -28,7 +29,7 @@
 // through the any-K kernels, which pack them into compact rows once per launch (phases 11: a
 // CTA's first row stored, 12: all its rows, 13: every CTA's arrival seen, 14: past that grid
 // barrier), as the public range runs. TRACE_CTAS=ID,ID,...: also those phase ids of
-// every CTA, one line each, with the CTA's last unit (backward). The backward's isolated call
+// every CTA, one line each, with its SM and its last unit (backward). The backward's isolated call
 // also prints the per-unit series of kernels/trace.cuh (the producer's, each consumer
 // warpgroup's steps), medians over the CTAs, from clock64. Phase ids are the
 // MOE_ROUTING_TRACE calls in the kernels. Build: research/phase_trace/build.sh (needs no GPU); run
@@ -44,6 +45,7 @@ constexpr int kMaxCtas = 1200;
 constexpr int kIds = 512;  // per CTA (kernels::kTraceIds, checked below)
 __device__ unsigned long long g_trace[kMaxCtas * kIds];  // %globaltimer, ns
 __device__ long long g_clk[kMaxCtas * kIds];             // clock64 of the same stamp
+__device__ unsigned g_smid[kMaxCtas];                     // the SM of each CTA (stamp 0's)
 #define MOE_ROUTING_TRACE(cond, id)                                                   \
   do {                                                                                \
     if (cond) {                                                                       \
@@ -51,6 +53,11 @@ __device__ long long g_clk[kMaxCtas * kIds];             // clock64 of the same 
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                         \
       g_trace[blockIdx.x * kIds + (id)] = t_;                                         \
       g_clk[blockIdx.x * kIds + (id)] = clock64();                                    \
+      if ((id) == 0) {                                                                \
+        unsigned sm_;                                                                 \
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                             \
+        g_smid[blockIdx.x] = sm_;                                                     \
+      }                                                                               \
     }                                                                                 \
   } while (0)
 #include "fused_backward_launch.cuh"
@@ -149,8 +156,10 @@ static void dump_trace(int nctas, const char* label) {
   if (const char* ids = getenv("TRACE_CTAS")) {  // e.g. "1,2,3,6,7": those ids of every CTA
     std::vector<int> want;
     for (const char* c = ids; *c;) { want.push_back(atoi(c)); while (*c && *c != ',') ++c; if (*c) ++c; }
+    std::vector<unsigned> smid(nctas);
+    CK(cudaMemcpyFromSymbol(smid.data(), g_smid, nctas * 4));
     for (int c = 0; c < nctas; ++c) {
-      printf("  cta %4d:", c);
+      printf("  cta %4d sm %3u:", c, smid[c]);
       int last = -1;
       for (int id = 16; id < 64; ++id) if (tr[c * kIds + id]) last = id;  // units: 16 + n
       for (int id : want) printf(" %8.2f", tr[c * kIds + id] ? (tr[c * kIds + id] - t0) * 1e-3 : -1.0);
@@ -165,6 +174,10 @@ int main(int argc, char** argv) {
       for (int split : kernels::fused_forward::kClusterSizes)
         printf("fwd tile %d split %d: %d clusters at once\n", tile, split,
                detail::fused_forward_active_clusters<160, true>(split, tile, 0));
+    for (int k = 2; k <= 8; ++k)  // the backward's 128-column kernels (plan(): kCluster where a slice's k fit)
+      printf("bwd clusters of %d: %d at once (K = 8), %d (any K)\n", k,
+             detail::fused_backward_active_clusters<160, 8, 128>(k, 0),
+             detail::fused_backward_active_clusters<160, kernels::fused_backward::kAnyTopK, 128>(k, 0));
     return 0;
   }
   if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT] | occupancy\n"); return 2; }

@@ -42,11 +42,13 @@ __device__ __forceinline__ void grad_w_sum_producer(const P& p, const CtaWork& w
     // counters for the next launch, while the consumers' loads are in flight.
     const int slice = int(work.unit0 / work.tiles), k = p.per_slice;
     cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsOut);
+    MOE_ROUTING_TRACE(thread == 0, kTraceMisc + 4);  // the consumers' partials out
     if (thread == 0) {
       red_release_add(p.tickets + slice);
       while (ld_acquire(p.tickets + slice) < k) {
       }
     }
+    MOE_ROUTING_TRACE(thread == 0, kTraceMisc + 5);  // the slice's k partials all out
     __syncwarp();
     cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsIn);
     if (thread == 0 && ticket_acq_rel(p.readers + slice) == k - 1) {

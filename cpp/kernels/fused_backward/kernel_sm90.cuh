@@ -191,6 +191,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // (x and G), the next unit's issued before the previous one's is waited for (the same
     // accumulators: the wgmmas run in order), so that its tensor work runs back to back while
     // warpgroup 0 stores grad_x. One segment per CTA: its slice, or (kSpread) a part of it.
+    // With compact rows warpgroup 0 gathers w's slice once the CTA's rows are stored (backward
+    // v33: issued at the start, those gathers held the rows' loads back ~0.9 us).
+    if (Cfg::kAnyK && p.compact != nullptr && wg == 0)
+      cutlass::arch::NamedBarrier::sync(128 + 128, kBarRowsStored);
     if (count > 0) {
       UnitCursor unit(unit0, tiles);
       const int slice = unit.slice;

@@ -225,6 +225,9 @@ __device__ __forceinline__ void produce(const P& p, typename Cfg::SharedStorage&
       // (grid_barrier_leave, off the path to the first unit).
       cutlass::arch::NamedBarrier::sync(Cfg::kBuilders, kBarBuilders);
       MOE_ROUTING_TRACE(thread == 0, 12);  // the CTA's rows stored
+      // The 64-column kernels' w slice (2-byte gathers by the dgrad warpgroup) from here on, so
+      // that it does not queue ahead of the rows' loads (backward v33).
+      if constexpr (Cfg::kRoleSplit) cutlass::arch::NamedBarrier::arrive(128 + 128, kBarRowsStored);
       if (thread == 0)
         grid_barrier(p.compact_counters, int(ctas),
                      [] { MOE_ROUTING_TRACE(true, 13); });  // every CTA's arrival seen

@@ -49,8 +49,11 @@ __device__ __forceinline__ void discard_l2_line(const void* line) {
 
 // Named barriers (0 is __syncthreads). kSpread: the consumers' partials are out (consumers →
 // producer warp 0), the slice's partials are all in (producer warp 0 → consumers).
+// kBarRowsStored: the CTA's compact rows are stored (producer → the role-split dgrad warpgroup,
+// which loads w's slice only then).
 enum : uint32_t {
-  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6
+  kBarConsumers = 1, kBarStore0 = 2, kBarPartialsOut = 4, kBarPartialsIn = 5, kBarBuilders = 6,
+  kBarRowsStored = 7
 };
 constexpr uint32_t kSpreadBarThreads = 256 + 32;
 
