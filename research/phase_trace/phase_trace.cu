@@ -269,6 +269,19 @@ int main(int argc, char** argv) {
       pl.per_slice = pl.sum == detail::GradWSum::kLastCta ? 1 : pl.ctas / int(H / 128);
       grid = pl.ctas;
       if (grid > kMaxCtas) return -1;
+      // Clusters that do not all fit at once never finish (the kernels' grid barriers wait for
+      // every CTA): the library's plan checks this; so does this tool.
+      if (pl.sum == detail::GradWSum::kCluster) {
+        constexpr int kAny = kernels::fused_backward::kAnyTopK;
+        const int fit = torch_dtypes
+                            ? detail::fused_backward_active_clusters<160, kAny, 128>(pl.per_slice, 0)
+                            : detail::fused_backward_active_clusters<160, 8, 128>(pl.per_slice, 0);
+        if (fit < int(H / 128)) {
+          printf("clusters of %d: %d fit at once, %lld slices need them\n", pl.per_slice, fit,
+                 (long long)(H / 128));
+          return -2;
+        }
+      }
       // PASSES: 1 the default sweep, r the residual sweep alone, 2 both in one launch (precise
       // mode), l both as two launches.
       const char* passes = getenv("PASSES") ? getenv("PASSES") : "1";
@@ -308,8 +321,8 @@ int main(int argc, char** argv) {
   };
   for (int s = 0; s < sets; ++s) {
     if (int r = call(s)) {
-      if (r < 0) printf("at most %d CTAs are traced\n", kMaxCtas);
-      else printf("launch status %d\n", r);
+      if (r == -1) printf("at most %d CTAs are traced\n", kMaxCtas);
+      else if (r > 0) printf("launch status %d\n", r);  // (-2: said why)
       return 1;
     }
   }
