@@ -27,6 +27,14 @@ struct RoutingInputs {
   bool grad_rows16 = false;
 };
 
+// PyTorch's K = 8 inputs (int64 indices, the bf16 scores of all experts, bf16 gradients) in rows
+// of 16 bytes: what the fused kernels of any K read as RowFormat::kTorch, packed into compact
+// rows once per launch. The host asks it too (its plan, the compact rows' workspace).
+__host__ __device__ __forceinline__ bool torch_rows(const RoutingInputs& in, int top_k) {
+  return top_k == 8 && in.idx_i64 && in.scores_all && in.scores_bf16 && in.grad_bf16 &&
+         in.idx_rows16 && in.grad_rows16;
+}
+
 // An int64 index outside [0, 2^31) becomes -1: out of [0, E), so it contributes nothing.
 __device__ __forceinline__ int narrow_index(int64_t v) {
   return uint64_t(v) <= 0x7fffffffull ? int(v) : -1;

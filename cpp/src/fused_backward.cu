@@ -92,22 +92,22 @@ int active_clusters(int device, int64_t experts, int k) {
 // 1.1 per partial; the spread sum through global memory about 2.8 (T = 4096, k = 3: ~6 µs
 // from the last unit to the end). Where the slices outnumber the SMs, one range per SM
 // (last-CTA sum). Where twice as many 64-column slices fit on the SMs, each CTA may instead
-// take one whole 64-column slice: no partial sums at all, a unit about kUnit64 of a 128-column
+// take one whole 64-column slice: no partial sums at all, a unit about unit64 of a 128-column
 // one (0.555: both plans measured single-call at H = 5120, E = 160, the 64-column one faster by
 // 1.2-1.6 µs at 12 tiles, even at 13-15, slower from 16, where 0.55 would tie with the sum
 // over 3 CTAs and keep 64 columns; docs/perf-log/backward.md v23).
 //
-// kUnit64 is kUnit64Torch for PyTorch's K = 8 dtypes (compact rows, the public range): there the
-// 64-column plan measured faster up to 23 tiles on an H100 (3.0 µs at 15 tiles, 2.1 at 18, 0.8
-// at 22, 0.5 at 23) and slower from 26 (backward v34; 0.45-0.47 would fit that H100 alone).
-// 0.48 keeps 64 columns to 20 tiles and at 22, where the H200's figures (v26, and the 64-column
-// kernels' later gains) put the crossing at ~22 tiles: the 128-column units are bound by DRAM,
-// which the H200 has 1.4x more of, and the 64-column ones are not.
+// unit64 is kUnit64Torch for PyTorch's K = 8 rows (torch_rows, packed into compact rows: the
+// public range): there the 64-column plan measured faster up to 23 tiles on an H100 (3.0 µs at
+// 15 tiles, 2.1 at 18, 0.8 at 22, 0.5 at 23) and slower from 26 (backward v34; 0.45-0.47 would
+// fit that H100 alone). 0.48 keeps 64 columns to 20 tiles and at 22, where the H200's figures
+// (v26, and the 64-column kernels' later gains) put the crossing at ~22 tiles: the 128-column
+// units are bound by DRAM, which the H200 has 1.4x more of, and the 64-column ones are not.
 BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device,
-                  bool torch_rows) {
+                  bool torch_inputs) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   constexpr double kUnit64Training = 0.555, kUnit64Torch = 0.48;
-  const double kUnit64 = torch_rows ? kUnit64Torch : kUnit64Training;
+  const double unit64 = torch_inputs ? kUnit64Torch : kUnit64Training;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
@@ -116,8 +116,8 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
     return {int(2 * slices), 1, GradWSum::kLastCta, 64};
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
   double best_cost = double(tiles);
-  if (2 * slices <= grid && choice != PlanChoice::kH128 && kUnit64 * double(tiles) < best_cost)
-    best = {int(2 * slices), 1, GradWSum::kLastCta, 64}, best_cost = kUnit64 * double(tiles);
+  if (2 * slices <= grid && choice != PlanChoice::kH128 && unit64 * double(tiles) < best_cost)
+    best = {int(2 * slices), 1, GradWSum::kLastCta, 64}, best_cost = unit64 * double(tiles);
   const bool spread = slices <= kMaxCounterSlices;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {
     GradWSum sum = GradWSum::kLastCta;
@@ -135,7 +135,7 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
 // where the slices leave SMs idle, k CTAs per slice (a k-th of its token tiles each) whose
 // partials are summed spread (kSpread), each CTA a share of the slice: where that costs fewer
 // units than one CTA per slice. `spread_sum`: the spread sum's cost in the kernel's units.
-// 256 experts: kSpreadSum64 (kSpreadSum, in 128-column units at E = 160, over kUnit64; an
+// 256 experts: kSpreadSum64 (kSpreadSum, in 128-column units at E = 160, over unit64; an
 // E = 256 partial is 64 KB, an E = 160 one 80 KB). The wide kernels (64-token units of up to
 // 512 experts): kSpreadSumWide, that scaled by the partial's size over the unit's work (an
 // estimate, not yet measured).
@@ -203,15 +203,6 @@ bool fused_backward_takes(const RouterConfig& cfg, Precision precision) {
          !(fused_backward_wide_shape(cfg) && precision == Precision::kPrecise);
 }
 
-// PyTorch's K = 8 inputs (int64 indices, the bf16 scores of all experts, bf16 gradients), which the
-// any-K kernels pack into compact rows once per launch (torch_rows in the kernels; not in
-// precise mode, whose residual sweep reads the inputs again).
-static bool pytorch_rows(const RouterConfig& cfg, const BackwardArgs& a) {
-  return cfg.num_experts_per_tok == 8 && a.topk_idx.dtype == DType::kI64 &&
-         a.scores.data != nullptr && a.scores.dtype == DType::kBF16 &&
-         a.grad_topk_weights.dtype == DType::kBF16 && a.precision != Precision::kPrecise;
-}
-
 // Precise mode: a second sweep adds xᵀ · (G - bf16(G)) to grad_w, the part of G that the bf16
 // G leaves out (in a fixed order: still deterministic): in the same launch where each CTA has
 // one segment (the residual's sweep first), else as a second launch that adds into grad_w.
@@ -230,7 +221,8 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
   const BackwardPlan pl =
       has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device,
-                 pytorch_rows(cfg, a))
+                 kernels::torch_rows(routing_inputs(cfg, a), cfg.num_experts_per_tok) &&
+                     a.precision != Precision::kPrecise)
           : plan64(tiles, cfg.hidden_size / 64, sm_count(device), kSpreadSum64);
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);

@@ -171,7 +171,7 @@ Status launch_narrow(const RouterConfig& cfg, const BackwardArgs& a, int device,
   // (Cfg::kCompactAnyRows), for every other input of any K.
   if (Cfg::kAnyK && passes == kernels::fused_backward::kPassG &&
       a.precision != Precision::kPrecise &&
-      (kernels::fused_backward::torch_rows(p.routing, top_k) || Cfg::kCompactAnyRows)) {
+      (kernels::torch_rows(p.routing, top_k) || Cfg::kCompactAnyRows)) {
     p.compact = reinterpret_cast<CompactRow*>(a.workspace.data + kTicketBytes +
                                               fused_backward_compact_offset(cfg, T));
     p.compact_counters = reinterpret_cast<int*>(a.workspace.data + kCompactCounterOffset);

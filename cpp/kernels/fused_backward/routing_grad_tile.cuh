@@ -25,13 +25,6 @@ enum class RowFormat {
   kCompact,   // kTorch's rows, packed once per launch (compact_routing_rows): CompactRow
 };
 
-// Whether a kernel of any K may read these inputs as RowFormat::kTorch (asked by the host too:
-// compact rows are this format's).
-__host__ __device__ __forceinline__ bool torch_rows(const kernels::RoutingInputs& in, int top_k) {
-  return top_k == 8 && in.idx_i64 && in.scores_all && in.scores_bf16 && in.grad_bf16 &&
-         in.idx_rows16 && in.grad_rows16;
-}
-
 // One token's routing inputs, held in registers: the loads are issued before the builder
 // waits for a free stage, and their values are used only when the row is packed, after it, so
 // that their latency hides behind the wait. kTopK slots per token.
