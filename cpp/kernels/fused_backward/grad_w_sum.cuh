@@ -3,7 +3,8 @@
 // deterministically in CTA order, in one of the GradWSum modes (schedule.cuh):
 //   kLastCta  write_partial + take_ticket; the slice's last contributor runs reduce_grad_w.
 //   kSpread   reduce_grad_w_spread: all k CTAs of the slice sum a share each, from global
-//             memory, counted by the producer's warp 0 (grad_w_sum_producer).
+//             memory, counted by the producer's warp 0 (grad_w_sum_producer). Its halves,
+//             send_spread and sum_spread, may run apart (the kernel's last unit between).
 //   kCluster  reduce_grad_w_cluster: the same from each other's shared memory.
 // A segment that is a whole slice goes straight to grad_w (write_grad_w); the role-split kernels
 // (kTileH = 64, one segment per CTA: kLastCta with one CTA per slice, or kSpread) through shared
@@ -265,12 +266,22 @@ struct GradWWriter {
   // CTA per SM; the producer's warp 0 keeps the count), each sums its share, its own part
   // from shared memory.
   __device__ __forceinline__ void reduce_grad_w_spread(int slice) const {
+    send_spread(slice);
+    sum_spread(slice, red);
+  }
+  // The first half of reduce_grad_w_spread: the partial staged and its other shares sent.
+  __device__ __forceinline__ void send_spread(int slice) const {
     stage_partial();
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);
-    spread_staged(slice, red);
+    send_staged(slice, red);
   }
   // kSpread, once the CTA's partial is staged at `staged` ([E][kRedStride]).
   __device__ __forceinline__ void spread_staged(int slice, float* staged) const {
+    send_staged(slice, staged);
+    sum_spread(slice, staged);
+  }
+  // The other CTAs' shares of the staged partial stored, and counted (the producer's warp 0).
+  __device__ __forceinline__ void send_staged(int slice, float* staged) const {
     const int k = p.per_slice, first = slice * k, rank = cta - first;
     const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
     float4* mine = reinterpret_cast<float4*>(partial(slice, cta));
@@ -282,6 +293,11 @@ struct GradWWriter {
     // The barrier orders the stores before warp 0's release (it synchronizes with its sync).
     cutlass::arch::NamedBarrier::arrive(kSpreadBarThreads, kBarPartialsOut);
     MOE_ROUTING_TRACE(ct == 0, 3);
+  }
+  // Once the slice's k partials are all out: this CTA's share summed over them.
+  __device__ __forceinline__ void sum_spread(int slice, float* staged) const {
+    const int k = p.per_slice, first = slice * k, rank = cta - first;
+    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
     cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsIn);
     MOE_ROUTING_TRACE(ct == 0, 6);
     sum_share(slice, k, rank, [&](int r, int v) {

@@ -186,6 +186,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   };
 
   int64_t reduce0 = -1, reduce1 = -1;  // kLastCta: slices this CTA sums at the end
+  // kSpread (kTileH = 128): the last unit's wgrad is issued before its dgrad, and the CTA's
+  // partial goes out while that dgrad runs and its grad_x is stored.
+  const bool send_early = !Cfg::kRoleSplit && p.sum == GradWSum::kSpread && count > 0 &&
+                          !work.residual_at(total - 1);
   if constexpr (Cfg::kRoleSplit) {
     // Warpgroup 0: dgrad and grad_x of each unit (G alone). Warpgroup 1: wgrad of each unit
     // (x and G), the next unit's issued before the previous one's is waited for (the same
@@ -248,7 +252,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
     // so that from then on one warpgroup's wgmmas tend to run while the other stores and
     // waits. An mbarrier, once per launch.
     if (Cfg::kSkew && p.skew && wg == 1) Barrier::wait(&smem.skew, 0);
-    for (int n = 0; n < total; ++n) {
+    const int looped = send_early ? total - 1 : total;
+    for (int n = 0; n < looped; ++n) {
       if (n == count) unit = UnitCursor(unit0, tiles);  // the second sweep starts over
       const int slice = unit.slice, tile = unit.tile;
       unit.next(tiles);
@@ -288,11 +293,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
         }
       }
     }
+    if (send_early) {  // the last unit: wgrad, the partial out, then dgrad and grad_x
+      const int n = total - 1;
+      if (n == count) unit = UnitCursor(unit0, tiles);
+      const int slice = unit.slice, tile = unit.tile;
+      wait_unit<Cfg>(smem, n, ct);
+      issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
+      if (Cfg::kSkew && p.skew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_w);
+      grad_w.send_spread(slice);
+      issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
+      grad_x.staging_free();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_d);
+      grad_x.store(acc_d, slice, tile);
+      release_unit<Cfg>(smem, n);
+      MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
+    }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
   if constexpr (!Cfg::kRoleSplit) {
     if (p.sum == GradWSum::kCluster) grad_w.reduce_grad_w_cluster(int(unit0 / tiles));
-    if (p.sum == GradWSum::kSpread) grad_w.reduce_grad_w_spread(int(unit0 / tiles));
+    if (p.sum == GradWSum::kSpread) {
+      if (send_early) grad_w.sum_spread(int(unit0 / tiles), grad_w.red);
+      else grad_w.reduce_grad_w_spread(int(unit0 / tiles));
+    }
     if (reduce0 >= 0) grad_w.reduce_grad_w(reduce0);
     if (reduce1 >= 0) grad_w.reduce_grad_w(reduce1);
   }
