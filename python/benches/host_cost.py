@@ -112,7 +112,8 @@ def run(opts):
     forward = lambda: torch.ops.moe_routing.route(x, w, b, K, GROUPS, TOPK_GROUP, SCALE, True)
     backward = lambda: torch.ops.moe_routing.route_backward(
         x, w, idx, scores, grad, GROUPS, TOPK_GROUP, SCALE, True, False, True)
-    for call in (forward, backward):  # warm-up: library load, workspace, module load
+    calls = (("forward", forward), ("backward", backward))
+    for _, call in calls:  # warm-up: library load, workspace, module load
         call()
     torch.cuda.synchronize()
     out = dict(device=torch.cuda.get_device_name(), tokens=opts.tokens, ops=moe_ops.BACKEND,
@@ -127,8 +128,8 @@ def run(opts):
     print(f"{'torch.mul':<8} host {out['host_us_reference_op']:7.1f} us per call (for scale)")
     # Host times first: once torch.profiler has run in a process, every later CUDA call pays
     # for its callbacks (the profiler's figures below come after).
-    host = {name: host_us(call) for name, call in (("forward", forward), ("backward", backward))}
-    for name, call in (("forward", forward), ("backward", backward)):
+    host = {name: host_us(call) for name, call in calls}
+    for name, call in calls:
         ops = gpu_ops(call)
         times = host[name]
         out[f"host_us_{name}"] = round(times[len(times) // 2], 2)

@@ -169,11 +169,20 @@ struct GradWWriter {
       if (v < v1) store_grad_w_vec(slice, v, sum[j]);
     }
   }
+  // The vectors [v0, v1) of share `rank` of k of a slice.
+  struct Share {
+    int v0, v1;
+    __device__ Share(int rank, int k) : v0(rank * kSliceVecs / k), v1((rank + 1) * kSliceVecs / k) {}
+  };
+  // kSpread: the slice's first CTA and this CTA's rank among its k.
+  __device__ __forceinline__ int spread_first(int slice) const { return slice * p.per_slice; }
+  __device__ __forceinline__ int spread_rank(int slice) const { return cta - spread_first(slice); }
+
   // Share `rank` of k (k >= 2) of a slice, summed over the slice's k partials: as many sources
   // in flight as fit the registers.
   template <class Part>
   __device__ __forceinline__ void sum_share(int64_t slice, int k, int rank, Part&& part) const {
-    const int v0 = rank * kSliceVecs / k, v1 = (rank + 1) * kSliceVecs / k;
+    const auto [v0, v1] = Share(rank, k);
     // Vectors per thread of the largest share of k (k >= 4: at most that of 4).
     constexpr auto per_thread = [](int k) { return ((kSliceVecs + k - 1) / k + 255) / 256; };
     if constexpr (per_thread(2) > kMaxPer) {
@@ -282,8 +291,7 @@ struct GradWWriter {
   }
   // The other CTAs' shares of the staged partial stored, and counted (the producer's warp 0).
   __device__ __forceinline__ void send_staged(int slice, float* staged) const {
-    const int k = p.per_slice, first = slice * k, rank = cta - first;
-    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
+    const auto [own0, own1] = Share(spread_rank(slice), p.per_slice);
     float4* mine = reinterpret_cast<float4*>(partial(slice, cta));
     CUTE_UNROLL
     for (int j = 0; j < kSliceVecs / 256; ++j) {
@@ -296,8 +304,8 @@ struct GradWWriter {
   }
   // Once the slice's k partials are all out: this CTA's share summed over them.
   __device__ __forceinline__ void sum_spread(int slice, float* staged) const {
-    const int k = p.per_slice, first = slice * k, rank = cta - first;
-    const int own0 = rank * kSliceVecs / k, own1 = (rank + 1) * kSliceVecs / k;
+    const int k = p.per_slice, first = spread_first(slice), rank = spread_rank(slice);
+    const auto [own0, own1] = Share(rank, k);
     cutlass::arch::NamedBarrier::sync(kSpreadBarThreads, kBarPartialsIn);
     MOE_ROUTING_TRACE(ct == 0, 6);
     sum_share(slice, k, rank, [&](int r, int v) {

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
           MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, kTraceDgradDone + n);
           GRing::arrive(smem.g_empty, n);
           if (!work.residual_at(n)) grad_x.store(acc_d, slice, tile);
-          MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
+          MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, 16 + n);
         }
       } else {
         clear(acc_w);
@@ -244,6 +244,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       grad_w.write_role_split(slice);
     }
   } else if (count > 0) {
+    // Unit n's grad_x, once its staging is free and every wgmma batch but the last `pending`
+    // (Int) is done: dgrad(n) the last but `pending`.
+    auto store_dgrad = [&](auto pending, int slice, int tile) {
+      grad_x.staging_free();
+      warpgroup_wait<decltype(pending)::value>();
+      warpgroup_fence_operand(acc_d);
+      grad_x.store(acc_d, slice, tile);
+    };
     UnitCursor unit(unit0, tiles);
     int seg_first_tile = unit.tile;
     begin_segment(unit.slice);
@@ -264,16 +272,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       } else {
         issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
         issue_wgrad<Cfg>(mma_w, tWrX, tWrGt, acc_w, n);
-        grad_x.staging_free();
-        warpgroup_wait<1>();  // dgrad(n) done; wgrad(n) may still run
-        warpgroup_fence_operand(acc_d);
-        grad_x.store(acc_d, slice, tile);
+        store_dgrad(Int<1>{}, slice, tile);  // wgrad(n) may still run
       }
       if (Cfg::kSkew && p.skew && n == 0 && ct == 0) Barrier::arrive(&smem.skew);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_w);
       release_unit<Cfg>(smem, n);
-      MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
+      MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, 16 + n);
       // (Two sweeps: one segment, which ends with the second.)
       const bool segment_ends = n + 1 == total || (total == count && tile == tiles - 1);
       if (segment_ends && p.sum == GradWSum::kLastCta) {
@@ -304,12 +309,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
       warpgroup_fence_operand(acc_w);
       grad_w.send_spread(slice);
       issue_dgrad<Cfg>(mma_d, tDrW, tDrG, acc_d, n);
-      grad_x.staging_free();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_d);
-      grad_x.store(acc_d, slice, tile);
+      store_dgrad(Int<0>{}, slice, tile);
       release_unit<Cfg>(smem, n);
-      MOE_ROUTING_TRACE(ct == 0 && n < 48, 16 + n);
+      MOE_ROUTING_TRACE(ct == 0 && n < kTraceUnits, 16 + n);
     }
   }
   warpgroup_wait<0>();  // (all done already; tells the compiler so before the branches below)
