@@ -2,9 +2,9 @@
 // registers) written out, and the partials of a slice cut over several CTAs summed, bitwise
 // deterministically in CTA order, in one of the GradWSum modes (schedule.cuh):
 //   kLastCta  write_partial + take_ticket; the slice's last contributor runs reduce_grad_w.
-//   kSpread   reduce_grad_w_spread: all k CTAs of the slice sum a share each, from global
-//             memory, counted by the producer's warp 0 (grad_w_sum_producer). Its halves,
-//             send_spread and sum_spread, may run apart (the kernel's last unit between).
+//   kSpread   send_spread, then sum_spread: all k CTAs of the slice sum a share each, from
+//             global memory, counted by the producer's warp 0 (grad_w_sum_producer). The two
+//             halves may run apart (the kernel's last unit between).
 //   kCluster  reduce_grad_w_cluster: the same from each other's shared memory.
 // A segment that is a whole slice goes straight to grad_w (write_grad_w); the role-split kernels
 // (kTileH = 64, one segment per CTA: kLastCta with one CTA per slice, or kSpread) through shared
@@ -273,12 +273,8 @@ struct GradWWriter {
   // kSpread: the other CTAs' shares of the partial go to global memory (16-byte stores); once
   // the slice's k CTAs have all written theirs (all are resident: the grid is at most one
   // CTA per SM; the producer's warp 0 keeps the count), each sums its share, its own part
-  // from shared memory.
-  __device__ __forceinline__ void reduce_grad_w_spread(int slice) const {
-    send_spread(slice);
-    sum_spread(slice, red);
-  }
-  // The first half of reduce_grad_w_spread: the partial staged and its other shares sent.
+  // from shared memory (sum_spread(slice, red)). This first half: the partial staged (red) and
+  // its other shares sent.
   __device__ __forceinline__ void send_spread(int slice) const {
     stage_partial();
     cutlass::arch::NamedBarrier::sync(256, kBarConsumers);

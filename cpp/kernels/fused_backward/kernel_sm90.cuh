@@ -318,8 +318,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_backward_sm90(__grid_c
   if constexpr (!Cfg::kRoleSplit) {
     if (p.sum == GradWSum::kCluster) grad_w.reduce_grad_w_cluster(int(unit0 / tiles));
     if (p.sum == GradWSum::kSpread) {
-      if (send_early) grad_w.sum_spread(int(unit0 / tiles), grad_w.red);
-      else grad_w.reduce_grad_w_spread(int(unit0 / tiles));
+      if (!send_early) grad_w.send_spread(int(unit0 / tiles));
+      grad_w.sum_spread(int(unit0 / tiles), grad_w.red);
     }
     if (reduce0 >= 0) grad_w.reduce_grad_w(reduce0);
     if (reduce1 >= 0) grad_w.reduce_grad_w(reduce1);
