@@ -12,8 +12,9 @@ grad_w), it measures per op:
 Prints which implementation of the ops is registered (``native``: the C++ ops of
 libmoe_routing_torch.so, or ``ctypes``: the Python ones; ``MOE_ROUTING_TORCH_OP=0`` forces the
 latter, for an A/B comparison), then both figures, and writes them as JSON (``ops``,
-``host_us_forward``, ``host_us_backward``, ``gpu_ops_forward``, ``gpu_ops_backward`` and the
-operations' names). Needs a CUDA GPU and the library (see the package README).
+``host_us_forward``, ``host_us_backward``, ``gpu_ops_forward``, ``gpu_ops_backward``, the
+kernels among them, ``kernels_per_forward`` and ``kernels_per_backward``, and the operations'
+names). Needs a CUDA GPU and the library (see the package README).
 """
 
 import argparse
@@ -69,6 +70,12 @@ def gpu_ops(call):
         call()
         torch.cuda.synchronize()
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def is_memory_op(name):
+    """A memset or copy in the profiler's GPU records (``Memset (Device)``, ``Memcpy DtoD
+    (Device -> Device)``), not a kernel."""
+    return name.startswith(("Memset", "Memcpy"))
 
 
 def host_breakdown(call, n=50):
@@ -135,6 +142,7 @@ def run(opts):
         out[f"host_us_{name}"] = round(times[len(times) // 2], 2)
         out[f"host_us_{name}_min"] = round(times[0], 2)
         out[f"gpu_ops_{name}"] = len(ops)
+        out[f"kernels_per_{name}"] = sum(not is_memory_op(o) for o in ops)
         out[f"gpu_op_names_{name}"] = [o[:120] for o in ops]
         print(f"{name:<8} host {out[f'host_us_{name}']:7.1f} us per call (fastest loop "
               f"{times[0]:.1f}), {len(ops)} GPU op(s)")
