@@ -29,6 +29,26 @@ int sm_count(int device) {
   return n;
 }
 
+// Peak DRAM bandwidth per device in bytes/s (memory clock x bus width, double data rate), read
+// once; 0 where the attributes are missing.
+double dram_bandwidth(int device) {
+  static std::atomic<double> cached[64] = {};
+  std::atomic<double>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
+  if (slot) {
+    if (double b = slot->load(std::memory_order_relaxed); b != 0.0) return b > 0.0 ? b : 0.0;
+  }
+  int khz = 0, bits = 0;
+  double b = -1.0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess &&
+      khz > 0 && bits > 0)
+    b = 2.0 * 1e3 * double(khz) * double(bits) / 8.0;
+  else
+    (void)cudaGetLastError();
+  if (slot) slot->store(b, std::memory_order_relaxed);
+  return b > 0.0 ? b : 0.0;
+}
+
 // MOE_ROUTING_BACKWARD_PLAN (read once; a diagnostic for measuring the plans against each
 // other): "h64" takes 64-column slices wherever they fit, "h128" never; unset or anything else,
 // the cost model in plan() decides.
@@ -97,27 +117,39 @@ int active_clusters(int device, int64_t experts, int k) {
 // 1.2-1.6 µs at 12 tiles, even at 13-15, slower from 16, where 0.55 would tie with the sum
 // over 3 CTAs and keep 64 columns; docs/perf-log/backward.md v23).
 //
-// unit64 is kUnit64Torch for PyTorch's K = 8 rows (torch_rows, packed into compact rows: the
-// public range): there the 64-column plan measured faster up to 23 tiles on an H100 (3.0 µs at
-// 15 tiles, 2.1 at 18, 0.8 at 22, 0.5 at 23) and slower from 26 (backward v34; 0.45-0.47 would
-// fit that H100 alone). 0.48 keeps 64 columns to 20 tiles and at 22, where the H200's figures
-// (v26, and the 64-column kernels' later gains) put the crossing at ~22 tiles: the 128-column
-// units are bound by DRAM, which the H200 has 1.4x more of, and the 64-column ones are not.
+// unit64 for PyTorch's K = 8 rows (torch_rows, packed into compact rows: the public range)
+// depends on the device's DRAM, and is weighed against the 128-column plan's units spread over
+// the grid rather than per CTA: there the 128-column plans are bound by DRAM, not by their CTAs'
+// units (measured single-call with both plans forced, backward v38, an H100: 25.5 to 38.1 µs from
+// 13 to 26 tiles, ~1 µs a tile, no steps at multiples of 3), while the 64-column ones are not.
+// On that H100 (3.35 TB/s) the 64-column plan was faster up to 20 tiles (1.0-1.8 µs) and slower
+// from 21 (0.6 µs at 21, 0.4 at 22, 1.8 at 23): 0.47 against the spread sum over 3 CTAs puts the
+// crossing at 20.5 tiles. An H200 (4.8 TB/s) measured the 64-column plan at 22 tiles (s2700)
+// 3.4 µs slower than the 128-column one at 23 (s2900; backward v37's run): 0.48 puts its
+// crossing at 19 tiles, so that s2240 (18 tiles, not measured on both plans there) keeps 64
+// columns. Between the two, interpolated by bandwidth; outside, the nearer one. At other H the
+// same rule moves the crossing by a tile or two (H = 4096: 64 columns up to 12 tiles, was 14).
+double unit64_torch(int device) {
+  constexpr double kBwH100 = 3.35e12, kBwH200 = 4.8e12, kUnit64H100 = 0.47, kUnit64H200 = 0.48;
+  const double f = std::clamp((dram_bandwidth(device) - kBwH100) / (kBwH200 - kBwH100), 0.0, 1.0);
+  return kUnit64H100 + f * (kUnit64H200 - kUnit64H100);
+}
+
 BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device,
                   bool torch_inputs) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
-  constexpr double kUnit64Training = 0.555, kUnit64Torch = 0.48;
-  const double unit64 = torch_inputs ? kUnit64Torch : kUnit64Training;
+  constexpr double kUnit64Training = 0.555;
+  const double unit64 = torch_inputs ? unit64_torch(device) : kUnit64Training;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
   const PlanChoice choice = plan_choice();
   if (2 * slices <= grid && choice == PlanChoice::kH64)
     return {int(2 * slices), 1, GradWSum::kLastCta, 64};
+  // The best 128-column plan by its CTAs' units (ceil), and its time as the units spread over
+  // the grid (smooth): what the 64-column plan is weighed against for PyTorch's rows.
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
-  double best_cost = double(tiles);
-  if (2 * slices <= grid && choice != PlanChoice::kH128 && unit64 * double(tiles) < best_cost)
-    best = {int(2 * slices), 1, GradWSum::kLastCta, 64}, best_cost = unit64 * double(tiles);
+  double best_cost = double(tiles), best_smooth = double(tiles);
   const bool spread = slices <= kMaxCounterSlices;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {
     GradWSum sum = GradWSum::kLastCta;
@@ -125,9 +157,14 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
     if (spread && kSpreadSum < cost) sum = GradWSum::kSpread, cost = kSpreadSum;
     if (k <= 8 && kClusterSum < cost && active_clusters(device, experts, int(k)) >= slices)
       sum = GradWSum::kCluster, cost = kClusterSum;
+    const double smooth = cost + double(tiles) / double(k);
     cost += double(ceil_div(tiles, k));
-    if (cost < best_cost) best = {int(k * slices), int(k), sum}, best_cost = cost;
+    if (cost < best_cost)
+      best = {int(k * slices), int(k), sum}, best_cost = cost, best_smooth = smooth;
   }
+  const double cost128 = torch_inputs ? best_smooth : best_cost;
+  if (2 * slices <= grid && choice != PlanChoice::kH128 && unit64 * double(tiles) <= cost128)
+    return {int(2 * slices), 1, GradWSum::kLastCta, 64};
   return best;
 }
 
