@@ -13,40 +13,43 @@
 namespace moe_routing::detail {
 namespace {
 
-// SM count per device, read once: the split (hence the grad_w summation order) depends on it.
-int sm_count(int device) {
-  static std::atomic<int> cached[64] = {};
-  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
+// A per-device value, read once by `read(device, value)` (false where the query fails: then
+// `fallback`, not kept, so that a later call asks again). The plan, hence the grad_w summation
+// order, depends on these values, so every call on a device must see the same ones.
+template <class T, class Read>
+T once_per_device(std::atomic<T> (&cache)[64], int device, T fallback, Read read) {
+  std::atomic<T>* slot = device >= 0 && device < 64 ? &cache[device] : nullptr;
   if (slot) {
-    if (int n = slot->load(std::memory_order_relaxed); n > 0) return n;
+    if (T v = slot->load(std::memory_order_relaxed); v > T(0)) return v;
   }
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+  T v{};
+  if (!read(device, v) || !(v > T(0))) {
     (void)cudaGetLastError();
-    return 132;
+    return fallback;
   }
-  if (slot) slot->store(n, std::memory_order_relaxed);
-  return n;
+  if (slot) slot->store(v, std::memory_order_relaxed);
+  return v;
 }
 
-// Peak DRAM bandwidth per device in bytes/s (memory clock x bus width, double data rate), read
-// once; 0 where the attributes are missing.
+int sm_count(int device) {
+  static std::atomic<int> cached[64] = {};
+  return once_per_device(cached, device, 132, [](int d, int& n) {
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d) == cudaSuccess;
+  });
+}
+
+// Peak DRAM bandwidth in bytes/s (memory clock x bus width, double data rate); 0 where the
+// attributes are missing.
 double dram_bandwidth(int device) {
   static std::atomic<double> cached[64] = {};
-  std::atomic<double>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
-  if (slot) {
-    if (double b = slot->load(std::memory_order_relaxed); b != 0.0) return b > 0.0 ? b : 0.0;
-  }
-  int khz = 0, bits = 0;
-  double b = -1.0;
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess &&
-      khz > 0 && bits > 0)
+  return once_per_device(cached, device, 0.0, [](int d, double& b) {
+    int khz = 0, bits = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, d) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, d) != cudaSuccess)
+      return false;
     b = 2.0 * 1e3 * double(khz) * double(bits) / 8.0;
-  else
-    (void)cudaGetLastError();
-  if (slot) slot->store(b, std::memory_order_relaxed);
-  return b > 0.0 ? b : 0.0;
+    return true;
+  });
 }
 
 // MOE_ROUTING_BACKWARD_PLAN (read once; a diagnostic for measuring the plans against each
