@@ -142,7 +142,6 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
                   bool torch_inputs) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   constexpr double kUnit64Training = 0.555;
-  const double unit64 = torch_inputs ? unit64_torch(device) : kUnit64Training;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   const int64_t most = grid / slices;
   if (most < 1) return {int(std::min(tiles * slices, grid)), 1, GradWSum::kLastCta};
@@ -165,6 +164,7 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
     if (cost < best_cost)
       best = {int(k * slices), int(k), sum}, best_cost = cost, best_smooth = smooth;
   }
+  const double unit64 = torch_inputs ? unit64_torch(device) : kUnit64Training;
   const double cost128 = torch_inputs ? best_smooth : best_cost;
   if (2 * slices <= grid && choice != PlanChoice::kH128 && unit64 * double(tiles) <= cost128)
     return {int(2 * slices), 1, GradWSum::kLastCta, 64};
