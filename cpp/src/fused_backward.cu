@@ -16,9 +16,9 @@ namespace {
 // A per-device value, read once by `read(device, value)` (false where the query fails: then
 // `fallback`, not kept, so that a later call asks again). The plan, hence the grad_w summation
 // order, depends on these values, so every call on a device must see the same ones.
-template <class T, class Read>
-T once_per_device(std::atomic<T> (&cache)[64], int device, T fallback, Read read) {
-  std::atomic<T>* slot = device >= 0 && device < 64 ? &cache[device] : nullptr;
+template <class T, size_t N, class Read>
+T once_per_device(std::atomic<T> (&cache)[N], int device, T fallback, Read read) {
+  std::atomic<T>* slot = device >= 0 && size_t(device) < N ? &cache[device] : nullptr;
   if (slot) {
     if (T v = slot->load(std::memory_order_relaxed); v > T(0)) return v;
   }
