@@ -11,7 +11,8 @@
 # `wheel` section: built with `pip wheel --no-build-isolation .` against the GPU machine's torch
 # version, so that it holds the native ops). OUT_DIR receives the logs and
 # results. Sections, in order (default: all): tests bench ncu sanitize example python trace; and
-# wide (the wide fused backward on every wide shape) and wheel (the package as pip installs it).
+# wide (the wide fused backward on every wide shape), wheel (the package as pip installs it) and
+# crossing (the 64/128-column plan's crossing on this GPU, scripts/plan_crossing.sh).
 # Each step has a time limit, so a hang costs minutes, not the run; all sections together take
 # longer than one sitting may allow, so name the sections you need. SANITIZE_TOOLS picks
 # compute-sanitizer's tools (default: memcheck racecheck synccheck initcheck).
@@ -115,6 +116,12 @@ for section in $sections; do
           --json "$out/h200-pytorch.json"
         rm -rf "$site" "$tests"
       fi ;;
+    crossing)
+      # The PyTorch-dtype plan's 64/128-column crossing on this GPU, and the bench with it
+      # (scripts/plan_crossing.sh: the sweep, the anchor, the public range A/B, both benches).
+      [ -f "$bin/moe_routing/lib/libmoe_routing.so" ] &&
+        step crossing 1500 scripts/plan_crossing.sh "$bin/moe_routing/lib/libmoe_routing.so" \
+          "$bin" "$out/crossing" ;;
     trace)
       # One backward call through the C ABI under PyTorch's profiler: its GPU operations.
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then
