@@ -66,6 +66,20 @@ PlanChoice plan_choice() {
   return choice;
 }
 
+// MOE_ROUTING_BACKWARD_UNIT64 (read once; a diagnostic, like MOE_ROUTING_BACKWARD_PLAN, for
+// setting the crossing by measurement): a number in (1/3, 1] replaces unit64_torch's value on
+// every device; unset or anything else, its anchors decide.
+double unit64_override() {
+  static const double value = [] {
+    const char* v = std::getenv("MOE_ROUTING_BACKWARD_UNIT64");
+    if (v == nullptr) return 0.0;
+    char* end = nullptr;
+    const double u = std::strtod(v, &end);
+    return end != v && *end == '\0' && u > 1.0 / 3.0 && u <= 1.0 ? u : 0.0;
+  }();
+  return value;
+}
+
 // The kernels of fused_kernels.def, by row (each defined in its own translation unit).
 using LaunchFn = Status (*)(const RouterConfig&, const BackwardArgs&, int, const BackwardPlan&,
                             cudaStream_t, uint32_t);
@@ -132,20 +146,6 @@ int active_clusters(int device, int64_t experts, int k) {
 // crossing at 19 tiles, so that s2240 (18 tiles, not measured on both plans there) keeps 64
 // columns. Between the two, interpolated by bandwidth; outside, the nearer one. At other H the
 // same rule moves the crossing by a tile or two (H = 4096: 64 columns up to 12 tiles, was 14).
-// MOE_ROUTING_BACKWARD_UNIT64 (read once; a diagnostic, like MOE_ROUTING_BACKWARD_PLAN, for
-// setting the crossing by measurement): a number in (1/3, 1] replaces unit64_torch's value on
-// every device; unset or anything else, the anchors below decide.
-double unit64_override() {
-  static const double value = [] {
-    const char* v = std::getenv("MOE_ROUTING_BACKWARD_UNIT64");
-    if (v == nullptr) return 0.0;
-    char* end = nullptr;
-    const double u = std::strtod(v, &end);
-    return end != v && *end == '\0' && u > 1.0 / 3.0 && u <= 1.0 ? u : 0.0;
-  }();
-  return value;
-}
-
 double unit64_torch(int device) {
   if (const double u = unit64_override(); u > 0.0) return u;
   constexpr double kBwH100 = 3.35e12, kBwH200 = 4.8e12, kUnit64H100 = 0.47, kUnit64H200 = 0.48;
