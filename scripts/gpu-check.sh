@@ -36,17 +36,19 @@ step() {  # step NAME SECONDS COMMAND...
   [ $rc -eq 0 ] || { echo "!! $name: exit $rc"; status=1; }
   return $rc
 }
+benches() {  # both suites, then the forward, into h200.json
+  step bench 300 "$bench" --bench --json "$out/h200.json"
+  # The forward's results go into the same file, as its `forward` section.
+  [ -n "$bench_fwd" ] && step bench-forward 300 "$bench_fwd" --bench \
+    --json "$out/forward.json" --into "$out/h200.json"
+}
 for section in $sections; do
   case $section in
     tests)
       # A short deadlock check first: the rest is not worth running if it hangs.
       step determinism 60 "$bin/test-gpu-test" deterministic &&
       step gpu-tests 600 "$bin/test-gpu-test" ;;
-    bench)
-      step bench 300 "$bench" --bench --json "$out/h200.json"
-      # The forward's results go into the same file, as its `forward` section.
-      [ -n "$bench_fwd" ] && step bench-forward 300 "$bench_fwd" --bench \
-        --json "$out/forward.json" --into "$out/h200.json" ;;
+    bench) benches ;;
     ncu)
       step ncu 240 ncu --clock-control none -k regex:fused_backward --launch-skip 5 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
@@ -117,11 +119,12 @@ for section in $sections; do
         rm -rf "$site" "$tests"
       fi ;;
     crossing)
-      # The PyTorch-dtype plan's 64/128-column crossing on this GPU, and the bench with it
-      # (scripts/plan_crossing.sh: the sweep, the anchor, the public range A/B, both benches).
+      # The PyTorch-dtype plan's 64/128-column crossing on this GPU (scripts/plan_crossing.sh:
+      # the sweep, the anchor, the public range A/B), then the benches with that anchor set.
       [ -f "$bin/moe_routing/lib/libmoe_routing.so" ] &&
-        step crossing 1500 scripts/plan_crossing.sh "$bin/moe_routing/lib/libmoe_routing.so" \
-          "$bin" "$out/crossing" ;;
+        step crossing 1200 scripts/plan_crossing.sh "$bin/moe_routing/lib/libmoe_routing.so" \
+          "$out/crossing" &&
+        MOE_ROUTING_BACKWARD_UNIT64=$(cat "$out/crossing/unit64.txt") benches ;;
     trace)
       # One backward call through the C ABI under PyTorch's profiler: its GPU operations.
       if [ -f "$bin/moe_routing/lib/libmoe_routing.so" ]; then

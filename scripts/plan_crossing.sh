@@ -3,22 +3,20 @@
 # one build (docs/perf-log/backward.md, "After v38"). From the repository root, on a machine with
 # a Hopper GPU and torch:
 #
-#   scripts/plan_crossing.sh LIB BENCH_DIR OUT_DIR
+#   scripts/plan_crossing.sh LIB OUT_DIR
 #
-# LIB: libmoe_routing.so (C ABI; the ops load it through ctypes). BENCH_DIR: bench-backward* and
-# bench-forward* (cargo's bench executables), or empty to skip step 4. Steps:
+# LIB: libmoe_routing.so (C ABI; the ops load it through ctypes). Steps:
 #   1. the sweep: GLM-4.5's shape in PyTorch's dtypes at whole tiles 10-23, each plan forced
 #      (MOE_ROUTING_BACKWARD_PLAN), alternated h64, h128, h128, h64 (public_range.py --no-eager);
 #   2. the crossing: the first tile from which 128 columns win at it and at the next, less half
 #      a tile; unit64 u = 2.8 / crossing + 1/3 (plan() in cpp/src/fused_backward.cu);
 #   3. the public range with the built-in anchor and with u (MOE_ROUTING_BACKWARD_UNIT64),
-#      alternated base, u, u, base;
-#   4. bench-backward --suite both and bench-forward with u set: the results the constant u
-#      would give, to be committed as the device's anchor.
-# OUT_DIR receives crossing.json (every pass, per case), unit64.txt, public-ab.json, h200.json
-# (step 4) and the logs.
+#      alternated base, u, u, base.
+# OUT_DIR receives crossing.json (every pass, per case), unit64.txt, public-ab.json and the log.
+# (`scripts/gpu-check.sh BIN OUT crossing` runs it, then its benches with u set: the results the
+# constant u would give, to be committed as the device's anchor.)
 set -uo pipefail
-lib=${1:?LIB}; bench_dir=${2?BENCH_DIR}; out=${3:?OUT_DIR}
+lib=${1:?LIB}; out=${2:?OUT_DIR}
 mkdir -p "$out/runs" && out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/python" MOE_ROUTING_TORCH_OP=0 MOE_ROUTING_LIB="$lib"
 unset MOE_ROUTING_BACKWARD_PLAN MOE_ROUTING_BACKWARD_UNIT64
@@ -86,14 +84,4 @@ if runs:
               + f"  {c['copy_us']:.2f}")
     print("mean  " + "".join(f"{r['mean_kernel_us']:15.2f}" for r in runs.values()))
 PY
-bench=$(ls "$bench_dir"/bench-backward* 2>/dev/null | head -1)
-bench_fwd=$(ls "$bench_dir"/bench-forward* 2>/dev/null | head -1)
-if [ -n "$bench" ]; then
-  echo "== bench, unit64 $u" | tee -a "$log"
-  MOE_ROUTING_BACKWARD_UNIT64=$u timeout 300 "$bench" --bench --suite both \
-    --json "$out/h200.json" > "$out/bench.log" 2>&1 || echo "!! bench: exit $?" | tee -a "$log"
-  [ -n "$bench_fwd" ] && { timeout 300 "$bench_fwd" --bench --json "$out/runs/forward.json" \
-    --into "$out/h200.json" > "$out/bench-forward.log" 2>&1 ||
-    echo "!! bench-forward: exit $?" | tee -a "$log"; }
-fi
 exit 0
