@@ -153,8 +153,19 @@ double unit64_torch(int device) {
   return kUnit64H100 + f * (kUnit64H200 - kUnit64H100);
 }
 
+// `any_rows`: rows that only the 64-column kernels compact, the any-K kernels' rows other than
+// PyTorch's K = 8 ones (another K or other dtypes) at 128 and 160 experts (Config::
+// kCompactAnyRows), outside precise mode (whose two sweeps read the inputs). The 128-column
+// kernels load those rows unit by unit, 8-11 µs more per call than their K = 8 kernels whatever
+// T (an H100, top-6 at H = 4096 and 5120, 8 to 64 tiles), so their plan is charged kAnyRows128
+// units more: the crossing moves to ~34 tiles at H = 4096 (measured 34) and ~45 at H = 5120
+// (measured 38), from 12-16 tiles, below which 64 columns measured 4-10 µs faster (backward
+// v39). (K = 8 rows in the training dtypes that are not 16-byte aligned take the any-K kernels
+// too, but keep the plan of aligned rows, hence their bits.)
+constexpr double kAnyRows128 = 7.0;
+
 BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, int device,
-                  bool torch_inputs) {
+                  bool torch_inputs, bool any_rows) {
   constexpr double kClusterSum = 2.5, kSpreadSum = 2.8, kWritePartial = 1.7, kReadPartial = 1.1;
   constexpr double kUnit64Training = 0.555;
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
@@ -180,7 +191,8 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
       best = {int(k * slices), int(k), sum}, best_cost = cost, best_smooth = smooth;
   }
   const double unit64 = torch_inputs ? unit64_torch(device) : kUnit64Training;
-  const double cost128 = torch_inputs ? best_smooth : best_cost;
+  const double cost128 =
+      (torch_inputs ? best_smooth : best_cost) + (any_rows ? kAnyRows128 : 0.0);
   if (2 * slices <= grid && choice != PlanChoice::kH128 && unit64 * double(tiles) <= cost128)
     return {int(2 * slices), 1, GradWSum::kLastCta, 64};
   return best;
@@ -273,11 +285,14 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
     return kLaunch[row](cfg, a, device, pl, stream, kernels::fused_backward::kPassG);
   }
   const int64_t tiles = ceil_div(a.tokens, kTileT), slices = cfg.hidden_size / kTileH;
+  const bool torch_rows = kernels::torch_rows(routing_inputs(cfg, a), cfg.num_experts_per_tok);
+  const bool compact = a.precision != Precision::kPrecise;
   const BackwardPlan pl =
       has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device,
-                 kernels::torch_rows(routing_inputs(cfg, a), cfg.num_experts_per_tok) &&
-                     a.precision != Precision::kPrecise)
+                 torch_rows && compact,
+                 compact && !torch_rows && cfg.n_routed_experts >= 128 &&
+                     !(cfg.num_experts_per_tok == 8 && training_dtypes(a)))
           : plan64(tiles, cfg.hidden_size / 64, sm_count(device), kSpreadSum64);
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;
   if (a.precision != Precision::kPrecise) return launch_passes(cfg, a, device, pl, stream, kPassG);
