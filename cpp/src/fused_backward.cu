@@ -80,6 +80,18 @@ double unit64_override() {
   return value;
 }
 
+// MOE_ROUTING_BACKWARD_SPLIT (read once; a diagnostic like MOE_ROUTING_BACKWARD_PLAN): k in
+// [1, 8] CTAs per 64-column slice for the kernels that have 64-column slices alone (256 experts,
+// the wide kernels) wherever k fits, in place of plan64's choice; unset or anything else, 0.
+int split64_override() {
+  static const int value = [] {
+    const char* v = std::getenv("MOE_ROUTING_BACKWARD_SPLIT");
+    if (v == nullptr || v[0] < '1' || v[0] > '8' || v[1] != '\0') return 0;
+    return v[0] - '0';
+  }();
+  return value;
+}
+
 // The kernels of fused_kernels.def, by row (each defined in its own translation unit).
 using LaunchFn = Status (*)(const RouterConfig&, const BackwardArgs&, int, const BackwardPlan&,
                             cudaStream_t, uint32_t);
@@ -201,17 +213,21 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
 // E with 64-column kernels alone (256), and the wide kernels: one CTA per 64-column slice, or,
 // where the slices leave SMs idle, k CTAs per slice (a k-th of its token tiles each) whose
 // partials are summed spread (kSpread), each CTA a share of the slice: where that costs fewer
-// units than one CTA per slice. `spread_sum`: the spread sum's cost in the kernel's units.
-// 256 experts: kSpreadSum64 (kSpreadSum, in 128-column units at E = 160, over unit64; an
-// E = 256 partial is 64 KB, an E = 160 one 80 KB). The wide kernels (64-token units of up to
-// 512 experts): kSpreadSumWide, that scaled by the partial's size over the unit's work (an
-// estimate, not yet measured).
-constexpr double kSpreadSum64 = 5.0, kSpreadSumWide = 10.0;
+// units than one CTA per slice. `spread_sum`: the spread sum's cost in the kernel's units,
+// measured with k forced (MOE_ROUTING_BACKWARD_SPLIT; an H100, single calls, T = 512-4096;
+// backward v40): 256 experts (Kimi-Linear, MiniMax-M2, Ling-flash-2.0: 36-64 slices) 0.8-2.6
+// units, kSpreadSum64 = 2 (was 5, an estimate from E = 160's, which kept one CTA per slice at
+// T = 1024, 2-4 µs slower); the wide kernels (64-token units, 512 experts top-16 at H = 4096)
+// 2.7-3.1, kSpreadSumWide = 3 (was 10, an estimate).
+constexpr double kSpreadSum64 = 2.0, kSpreadSumWide = 3.0;
 BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms, double spread_sum) {
   const int64_t grid = std::min<int64_t>(num_sms, kFusedMaxCtas);
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
   double best_cost = double(tiles);
   if (slices > kMaxCounterSlices) return best;
+  if (const int k = split64_override(); k > 1 && k * slices <= grid && k <= tiles)
+    return {int(k * slices), k, GradWSum::kSpread, 64};
+  if (split64_override() == 1) return best;
   for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
     const double cost = spread_sum + double(ceil_div(tiles, k));
     if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;

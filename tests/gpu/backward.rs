@@ -73,7 +73,8 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
         topk_group: 1,
         ..v3
     };
-    // Kimi-Linear's shape (36 slices): 3 CTAs per slice at T = 4096, each summing a third.
+    // Kimi-Linear's shape (36 slices): 3 CTAs per slice at T = 4096, each summing a third; at
+    // T = 600 and 1024 too (5 and 8 tiles: CTAs of 1 to 3 tiles).
     let kimi_linear = RouterConfig {
         hidden_size: 2304,
         routed_scaling_factor: 2.446,
@@ -84,6 +85,8 @@ pub(super) fn backward_fused_expert_counts(s: &Arc<CudaStream>) {
         (v3, 300),
         (v3, 2000),
         (narrow, 3001),
+        (kimi_linear, 600),
+        (kimi_linear, 1024),
         (kimi_linear, 4096),
         (glm45_air, 7),
         (glm45_air, 1000),
