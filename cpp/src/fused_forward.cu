@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <utility>
 
 #include "fused_forward.h"
@@ -88,6 +89,23 @@ int active_clusters(int device, int which, int64_t experts, int tile) {
   return n;
 }
 
+// MOE_ROUTING_FORWARD_SPLIT (read once; a diagnostic for measuring the plans against each
+// other): a cluster size of kSplits that replaces the plan's, every tile of the plan's tile size
+// at that split in one launch, where such clusters fit; unset or anything else, 0.
+int split_override() {
+  static const int value = [] {
+    const char* v = std::getenv("MOE_ROUTING_FORWARD_SPLIT");
+    if (v == nullptr) return 0;
+    char* end = nullptr;
+    const long s = std::strtol(v, &end, 10);
+    return end != v && *end == '\0' && s > 0 && s <= 16 &&
+                   kernels::fused_forward::is_cluster_size(int(s))
+               ? int(s)
+               : 0;
+  }();
+  return value;
+}
+
 // The launch plan with the least estimated time: waves of clusters × (fixed cost + the larger
 // of a CTA's blocks and the wave's x bytes through DRAM). A plan either runs every tile at one
 // split, or runs whole waves at one split and the remaining tiles (a last wave that would leave
@@ -138,6 +156,13 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
         if (c < best_cost) best = {kSplits[which], whole, kSplits[tail], tile_t}, best_cost = c;
       }
     }
+  }
+  if (const int s = split_override(); s > 0 && s <= hblocks) {
+    int which = 0;
+    while (kSplits[which] != s) ++which;
+    const int tile = best.tile_t == 64 ? 1 : best.tile_t == 192 ? 2 : 0;
+    if (active_clusters(device, which, cfg.n_routed_experts, tile) > 0)
+      return {s, ceil_div(tokens, int64_t(best.tile_t)), 0, best.tile_t};
   }
   return best;
 }
