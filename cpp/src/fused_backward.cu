@@ -81,9 +81,11 @@ double unit64_override() {
 }
 
 // MOE_ROUTING_BACKWARD_SPLIT (read once; a diagnostic like MOE_ROUTING_BACKWARD_PLAN): k in
-// [1, 8] CTAs per 64-column slice for the kernels that have 64-column slices alone (256 experts,
-// the wide kernels) wherever k fits, in place of plan64's choice; unset or anything else, 0.
-int split64_override() {
+// [1, 8] CTAs per slice wherever k fits, in place of the plan's choice: per 64-column slice for
+// the kernels that have those alone (256 experts, the wide kernels; plan64), per 128-column
+// slice elsewhere (plan; unless MOE_ROUTING_BACKWARD_PLAN=h64), its grad_w summed as the plan
+// would sum k partials; unset or anything else, 0.
+int split_override() {
   static const int value = [] {
     const char* v = std::getenv("MOE_ROUTING_BACKWARD_SPLIT");
     if (v == nullptr || v[0] < '1' || v[0] > '8' || v[1] != '\0') return 0;
@@ -191,12 +193,15 @@ BackwardPlan plan(int64_t tiles, int64_t slices, int64_t experts, int num_sms, i
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta};
   double best_cost = double(tiles), best_smooth = double(tiles);
   const bool spread = slices <= kMaxCounterSlices;
+  const int forced = split_override();
+  if (forced == 1) return best;
   for (int64_t k = 2; k <= most && k <= tiles; ++k) {
     GradWSum sum = GradWSum::kLastCta;
     double cost = kWritePartial + kReadPartial * double(k);
     if (spread && kSpreadSum < cost) sum = GradWSum::kSpread, cost = kSpreadSum;
     if (k <= 8 && kClusterSum < cost && active_clusters(device, experts, int(k)) >= slices)
       sum = GradWSum::kCluster, cost = kClusterSum;
+    if (k == forced) return {int(k * slices), int(k), sum};
     const double smooth = cost + double(tiles) / double(k);
     cost += double(ceil_div(tiles, k));
     if (cost < best_cost)
@@ -225,9 +230,9 @@ BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms, double spread_su
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
   double best_cost = double(tiles);
   if (slices > kMaxCounterSlices) return best;
-  if (const int k = split64_override(); k > 1 && k * slices <= grid && k <= tiles)
+  if (const int k = split_override(); k > 1 && k * slices <= grid && k <= tiles)
     return {int(k * slices), k, GradWSum::kSpread, 64};
-  if (split64_override() == 1) return best;
+  if (split_override() == 1) return best;
   for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
     const double cost = spread_sum + double(ceil_div(tiles, k));
     if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
