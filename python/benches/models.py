@@ -1,6 +1,7 @@
 """Every model router shape against eager PyTorch and its ceiling, one call at a time.
 
     python python/benches/models.py [--json PATH] [--models FILE] [--repeats N] [--dry-run]
+                                    [--only NAME,...] [--tokens T,...]
 
 For each model of ``benches/shapes/models.json`` at each of its token counts, on one GPU:
 
@@ -27,7 +28,9 @@ It prints a table with each pass's ratio to its ceiling and marks where a shape 
 speed floor (more than 1.3× GLM-4.5's ratio at the same T, or slower than PyTorch), and writes
 ``{"device", "method", "models": [{"name", "hidden_size", "n_routed_experts", "top_k",
 "n_group", "topk_group", "cases": [...]}]}``. ``--dry-run`` needs neither a GPU nor torch: it
-checks the models file and prints each shape's kernel paths, bytes and FLOPs.
+checks the models file and prints each shape's kernel paths, bytes and FLOPs. ``--only`` and
+``--tokens`` narrow a run to some models and other token counts (sweeps of a plan's
+diagnostics, such as ``MOE_ROUTING_BACKWARD_SPLIT``, over a few shapes).
 """
 
 import argparse
@@ -191,8 +194,25 @@ def main():
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated model names: those alone (for sweeps of a few shapes)")
+    ap.add_argument("--tokens", default=None,
+                    help="comma-separated token counts in place of the models file's")
     args = ap.parse_args()
     spec = json.loads(Path(args.models).read_text())
+    if args.only:
+        names = args.only.split(",")
+        unknown = sorted(set(names) - {m.get("name") for m in spec.get("models", [])})
+        if unknown:
+            raise SystemExit(f"--only: no model named {', '.join(unknown)} in {args.models}")
+        spec["models"] = [m for m in spec["models"] if m.get("name") in names]
+    if args.tokens:
+        try:
+            spec["tokens"] = [int(t) for t in args.tokens.split(",")]
+        except ValueError:
+            raise SystemExit(f"--tokens: not a list of integers: {args.tokens}")
+        if min(spec["tokens"]) < 1:
+            raise SystemExit("--tokens: every count must be at least 1")
     check_models(spec)
     if args.dry_run:
         dry_run(spec)
