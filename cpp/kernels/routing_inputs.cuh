@@ -35,6 +35,14 @@ __host__ __device__ __forceinline__ bool torch_rows(const RoutingInputs& in, int
          in.idx_rows16 && in.grad_rows16;
 }
 
+// Whether the any-K kernel of a slice width compacts the rows that are not torch_rows (another
+// K, other dtypes) as it compacts PyTorch's: the 64-column kernels from 128 experts (backward
+// v29). The kernels' Config::kCompactAnyRows, and the host's plan (backward v39: the
+// 128-column kernels load those rows unit by unit).
+__host__ __device__ constexpr bool compacts_any_rows(int experts, int tile_h) {
+  return tile_h == 64 && experts >= 128;
+}
+
 // An int64 index outside [0, 2^31) becomes -1: out of [0, E), so it contributes nothing.
 __device__ __forceinline__ int narrow_index(int64_t v) {
   return uint64_t(v) <= 0x7fffffffull ? int(v) : -1;

@@ -230,9 +230,10 @@ BackwardPlan plan64(int64_t tiles, int64_t slices, int num_sms, double spread_su
   BackwardPlan best{int(slices), 1, GradWSum::kLastCta, 64};
   double best_cost = double(tiles);
   if (slices > kMaxCounterSlices) return best;
-  if (const int k = split_override(); k > 1 && k * slices <= grid && k <= tiles)
+  if (const int k = split_override(); k == 1)
+    return best;
+  else if (k > 1 && k * slices <= grid && k <= tiles)
     return {int(k * slices), k, GradWSum::kSpread, 64};
-  if (split_override() == 1) return best;
   for (int64_t k = 2; k * slices <= grid && k <= tiles; ++k) {
     const double cost = spread_sum + double(ceil_div(tiles, k));
     if (cost < best_cost) best = {int(k * slices), int(k), GradWSum::kSpread, 64}, best_cost = cost;
@@ -312,7 +313,8 @@ Status launch_fused_backward(const RouterConfig& cfg, const BackwardArgs& a, int
       has_fused_backward(cfg.n_routed_experts, 128)
           ? plan(tiles, slices, cfg.n_routed_experts, sm_count(device), device,
                  torch_rows && compact,
-                 compact && !torch_rows && cfg.n_routed_experts >= 128 &&
+                 compact && !torch_rows &&
+                     kernels::compacts_any_rows(int(cfg.n_routed_experts), 64) &&
                      !(cfg.num_experts_per_tok == 8 && training_dtypes(a)))
           : plan64(tiles, cfg.hidden_size / 64, sm_count(device), kSpreadSum64);
   using kernels::fused_backward::kPassG, kernels::fused_backward::kPassResidual;

@@ -160,7 +160,8 @@ ForwardPlan plan(const RouterConfig& cfg, int64_t tokens, int device) {
   if (const int s = split_override(); s > 0 && s <= hblocks) {
     int which = 0;
     while (kSplits[which] != s) ++which;
-    const int tile = best.tile_t == 64 ? 1 : best.tile_t == 192 ? 2 : 0;
+    int tile = 0;
+    while (kTileCosts[tile].tile_t != best.tile_t) ++tile;
     if (active_clusters(device, which, cfg.n_routed_experts, tile) > 0)
       return {s, ceil_div(tokens, int64_t(best.tile_t)), 0, best.tile_t};
   }

@@ -23,6 +23,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "kernels/fused_backward/schedule.cuh"
+#include "kernels/routing_inputs.cuh"
 
 namespace moe_routing::kernels::fused_backward {
 
@@ -58,9 +59,10 @@ struct Config {
   static constexpr bool kSkew = kAnyK && !kRoleSplit;
   // Compact rows (producer.cuh) for the any-K inputs that are not PyTorch's K = 8 rows: the
   // 64-column kernels from 128 experts (backward v29: dots.llm1's top-6 backward at T = 1024
-  // 2.16x -> 1.68x its ceiling; at 64 experts per-unit loading stayed faster). The host asks
-  // this too. The PyTorch format is compacted by every any-K kernel.
-  static constexpr bool kCompactAnyRows = kAnyK && kRoleSplit && kExperts >= 128;
+  // 2.16x -> 1.68x its ceiling; at 64 experts per-unit loading stayed faster): kernels::
+  // compacts_any_rows, which the host's plan asks too. The PyTorch format is compacted by every
+  // any-K kernel.
+  static constexpr bool kCompactAnyRows = kAnyK && compacts_any_rows(kExperts, kTileH);
   // The compaction's PyTorch rows loaded by quads of lanes (routing_grad_tile.cuh load_quad):
   // 0.1-0.5 us faster a call on the 64-column plans, 0.9-2.5 us slower on the 128-column ones
   // (backward v29); measured at 128 and 160 experts (E = 256's producer already spills).
