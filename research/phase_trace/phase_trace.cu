@@ -19,7 +19,7 @@
 //                                      backward's 128-column ones, per cluster size
 //
 // Shapes: H = 5120, E = 160, K = 8, 8 groups, top 4 (ROUTER_GROUPS=n,k: n groups, the best k
-// kept).
+// kept); the forward also FWD_SHAPE=E,K,H (E = 384 or 512 on the wide kernels, one group).
 // Every input set has its own w, as in the benchmarks (SHARED_W set: one w for all, which then
 // stays in L2). GRAPH set: the back-to-back calls replayed from a CUDA graph, as the benchmarks
 // time them (else launched one by one). ROUTING set (backward): the routing inputs from the
@@ -183,11 +183,22 @@ int main(int argc, char** argv) {
   if (argc < 3) { printf("phase_trace bwd T [CTAS last|spread|cluster] | fwd T [SPLIT] | occupancy\n"); return 2; }
   const bool bwd = argv[1][0] == 'b';
   const int64_t T = atoll(argv[2]);
-  const int64_t H = 5120; const int E = 160, K = 8;
+  // FWD_SHAPE=E,K,H (forward only): 384 or 512 experts on their wide kernels (64-token tiles,
+  // FWD_TILE=64), one group; else H = 5120, E = 160, K = 8.
+  int64_t H = 5120; int E = 160, K = 8;
+  const char* fwd_shape = bwd ? nullptr : getenv("FWD_SHAPE");
+  if (fwd_shape) {
+    E = atoi(fwd_shape);
+    const char* c = strchr(fwd_shape, ',');
+    K = c ? atoi(c + 1) : 8;
+    c = c ? strchr(c + 1, ',') : nullptr;
+    H = c ? atoll(c + 1) : 7168;
+    if (E != 160 && E != 384 && E != 512) { printf("FWD_SHAPE: E = 160, 384 or 512\n"); return 1; }
+  }
   RouterConfig cfg{}; cfg.hidden_size = H; cfg.n_routed_experts = E; cfg.num_experts_per_tok = K;
   const char* groups = getenv("ROUTER_GROUPS");  // "n,k": n groups, the best k kept
-  cfg.n_group = groups ? atoi(groups) : 8;
-  cfg.topk_group = groups && strchr(groups, ',') ? atoi(strchr(groups, ',') + 1) : 4;
+  cfg.n_group = groups ? atoi(groups) : fwd_shape ? 1 : 8;
+  cfg.topk_group = groups && strchr(groups, ',') ? atoi(strchr(groups, ',') + 1) : fwd_shape ? 1 : 4;
   cfg.routed_scaling_factor = 2.5f; cfg.norm_topk_prob = true;
   const size_t set_bytes = bwd ? size_t(4 * T * H + 6 * E * H + 12 * T * K) : size_t(2 * T * H + 12 * T * K);
   const int sets = int(std::min<size_t>(12, std::max<size_t>(2, (100u << 20) / set_bytes + 1)));
@@ -316,6 +327,8 @@ int main(int argc, char** argv) {
       pl.split = split;
       pl.tiles = argc > 5 ? atoll(argv[4]) : tiles;
       pl.tail_split = argc > 5 ? atoi(argv[5]) : 0;
+      if (E == 512) return int(detail::launch_fused_forward_e<512, false>(cfg, a, 0, pl, st));
+      if (E == 384) return int(detail::launch_fused_forward_e<384, false>(cfg, a, 0, pl, st));
       return int(detail::launch_fused_forward_e<160, true>(cfg, a, 0, pl, st));
     }
   };
