@@ -13,7 +13,7 @@
 //                                      the rest in a second launch with clusters of TAIL
 //                                      (FWD_TILE=64 or 192: 64- or 192-token tiles; CHECK
 //                                      set: the indices against 128-token tiles in clusters
-//                                      of one, rows that differ counted)
+//                                      of one, 64 on the wide kernels; rows that differ counted)
 //   phase_trace occupancy              the forward's clusters that fit at once, per tile and
 //                                      cluster size (what its launch plan reads), and the
 //                                      backward's 128-column ones, per cluster size
@@ -250,6 +250,12 @@ int main(int argc, char** argv) {
   }
   CK(cudaDeviceSynchronize());
   int grid = 0;
+  // The forward on E's kernel (the wide ones for 384 and 512 experts).
+  auto launch_forward = [&](const ForwardArgs& f, const detail::ForwardPlan& pl) {
+    if (E == 512) return detail::launch_fused_forward_e<512, false>(cfg, f, 0, pl, st);
+    if (E == 384) return detail::launch_fused_forward_e<384, false>(cfg, f, 0, pl, st);
+    return detail::launch_fused_forward_e<160, true>(cfg, f, 0, pl, st);
+  };
   // The forward's arguments on input set s.
   auto forward_args = [&](int s) {
     ForwardArgs a{}; a.tokens = T;
@@ -327,9 +333,7 @@ int main(int argc, char** argv) {
       pl.split = split;
       pl.tiles = argc > 5 ? atoll(argv[4]) : tiles;
       pl.tail_split = argc > 5 ? atoi(argv[5]) : 0;
-      if (E == 512) return int(detail::launch_fused_forward_e<512, false>(cfg, a, 0, pl, st));
-      if (E == 384) return int(detail::launch_fused_forward_e<384, false>(cfg, a, 0, pl, st));
-      return int(detail::launch_fused_forward_e<160, true>(cfg, a, 0, pl, st));
+      return int(launch_forward(a, pl));
     }
   };
   for (int s = 0; s < sets; ++s) {
@@ -340,14 +344,16 @@ int main(int argc, char** argv) {
     }
   }
   CK(cudaStreamSynchronize(st));
-  if (!bwd && getenv("CHECK")) {  // set 0's indices and weights against clusters of one
+  if (!bwd && getenv("CHECK")) {  // set 0's indices and weights against clusters of one (128-
+                                  // token tiles; 64 on the wide kernels, which have no others)
     std::vector<int32_t> i1(T * K), i2(T * K); std::vector<float> w1(T * K), w2(T * K);
     CK(cudaMemcpy(i1.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(w1.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemset(idx[0], 0xff, T * K * 4)); CK(cudaMemset(ow[0], 0xff, T * K * 4));
     const ForwardArgs f = forward_args(0);
-    detail::ForwardPlan pl; pl.tile_t = 128, pl.split = 1, pl.tiles = (T + 127) / 128, pl.tail_split = 0;
-    if (detail::launch_fused_forward_e<160, true>(cfg, f, 0, pl, st) != Status::kSuccess) { printf("forward failed\n"); return 1; }
+    const int tile_t = E > 256 ? 64 : 128;
+    detail::ForwardPlan pl; pl.tile_t = tile_t, pl.split = 1, pl.tiles = (T + tile_t - 1) / tile_t, pl.tail_split = 0;
+    if (launch_forward(f, pl) != Status::kSuccess) { printf("forward failed\n"); return 1; }
     CK(cudaStreamSynchronize(st));
     CK(cudaMemcpy(i2.data(), idx[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(w2.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
