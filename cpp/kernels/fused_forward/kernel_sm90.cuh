@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
   float* red = smem.buf.red;
   using ThreadRoute = fused_forward::ThreadRoute<kExperts>;
   // Above 256 experts every top_k takes the few-lanes routing (the 8-lane one would hold 48-64
-  // experts a lane in registers), with lists of 16 where top_k > 8, but for few rows at
-  // top_k > 8 (a warp per token, below).
+  // experts a lane in registers), with lists of 16 where top_k > 8, but for few rows at 512
+  // experts and top_k > 8 (a warp per token, below).
   using LongRoute = fused_forward::ThreadRoute<kExperts, 16>;
   const bool thread_route =
       (p.route.top_k <= ThreadRoute::kMaxTopK || Cfg::kWide) &&
@@ -284,15 +284,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fused_forward_sm90(__grid_co
       }
     };
     // At most 16 rows (small T, large clusters): one warp per token, one or two tokens per
-    // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists. Above 256
-    // experts only where top_k > 8, whose lists of 16 are the longer chain (an H100, 512 experts
-    // top-16, 8 / 16 rows: 14.9 / 16.9 us -> 6.1 / 10.4); at top-8 (Kimi-K2: 16 rows 4.2 ->
-    // 4.6 us) and from 32 rows (512 top-16: 64 rows 17.6 -> 34.1 us) the lists win (forward v17).
+    // warp at once (route_redux.cuh), whose chain is shorter than a few lanes' lists. At 512
+    // experts only where top_k > 8, whose lists of 16 are the longer chain (an H100, 512 top-16,
+    // 8 / 16 rows: 14.9 / 16.9 us -> 6.1 / 10.4); at top-8 (Kimi-K2: 16 rows 4.2 -> 4.6 us) and
+    // from 32 rows (512 top-16: 64 rows 17.6 -> 34.1 us) the lists win. Not compiled into the
+    // 384-expert kernel: there its mere presence slowed Kimi-K2's lists (T = 4096: 52.9 -> 55.7
+    // us) (forward v17).
     constexpr int kWarps = 4 * Cfg::kConsumers;
     constexpr int kMaxLanes = ThreadRoute::kMaxLanes;
     const int lanes = (128 * Cfg::kConsumers) / rows;
     bool warp_per_token = false;
-    constexpr bool kRedux = kExperts % 32 == 0;
+    constexpr bool kRedux = kExperts % 32 == 0 && (!Cfg::kWide || kExperts == 512);
     if constexpr (kRedux)  // (groups of whole lanes: no masked experts)
       warp_per_token = rows <= 2 * kWarps && p.route.experts == kExperts &&
                        (!Cfg::kWide || p.route.top_k > ThreadRoute::kMaxTopK) &&

@@ -12,7 +12,7 @@
 //   weights        the chosen scores summed in selection order (the bits of the other paths)
 // A round is a short dependent chain (one reduction, a ballot, the shift), where the few-lanes
 // routing's per-lane lists are a long one; it wins where a CTA has few rows (8-16 on an H200;
-// docs/perf-log/forward.md, "v14"); above 256 experts, 16 a lane, where top_k > 8 (v17).
+// docs/perf-log/forward.md, "v14"); at 512 experts, 16 a lane, where top_k > 8 (v17).
 #pragma once
 
 #include <cstdint>
