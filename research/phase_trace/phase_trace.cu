@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(w1.data(), ow[0], T * K * 4, cudaMemcpyDeviceToHost));
     CK(cudaMemset(idx[0], 0xff, T * K * 4)); CK(cudaMemset(ow[0], 0xff, T * K * 4));
     const ForwardArgs f = forward_args(0);
-    const int tile_t = E > 256 ? 64 : 128;
+    const int tile_t = kernels::fused_forward::tile_fits(E, 128) ? 128 : 64;
     detail::ForwardPlan pl; pl.tile_t = tile_t, pl.split = 1, pl.tiles = (T + tile_t - 1) / tile_t, pl.tail_split = 0;
     if (launch_forward(f, pl) != Status::kSuccess) { printf("forward failed\n"); return 1; }
     CK(cudaStreamSynchronize(st));
